@@ -1,0 +1,45 @@
+"""OverlapConfig: every knob of fxoverlap in one frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapConfig:
+    """Settings for :func:`fxoverlap.optimize`.
+
+    Attributes:
+        layer_container: attribute path of the model's list of decoder layers
+            (e.g. ``"layers"``). ``None``: the largest ``nn.ModuleList`` /
+            ``nn.ModuleDict`` in the model.
+        comm_stream_priority: CUDA priority of the communication stream; lower
+            numbers are higher priority (-1 is high on current GPUs).
+        delay_wgrad: split backward expert stages into input-grad and weight-grad
+            parts and run the weight-grad part after the comm slot it can fill.
+        free_early: insert early-free nodes so each value is dropped at its last use.
+        cuda_graphs: run capturable compute stages as CUDA graphs (GPU only).
+        mhc_recompute_group: with mHC layers, replay the hyper-connection forward
+            of each group of this many layers before the group's backward instead
+            of saving its activations. ``0`` turns recompute off.
+        record_memory: keep a per-step trace of live values and bytes
+            (``engine.memory_trace``); for tests and debugging.
+        warn_on_fallback: warn when a model falls back to a single stage per
+            direction because no layers or communication ops were found.
+    """
+
+    layer_container: str | None = None
+    comm_stream_priority: int = -1
+    delay_wgrad: bool = False
+    free_early: bool = True
+    cuda_graphs: bool = False
+    mhc_recompute_group: int = 0
+    record_memory: bool = False
+    warn_on_fallback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mhc_recompute_group < 0:
+            raise ValueError(
+                f"OverlapConfig.mhc_recompute_group must be >= 1 (or 0 for off), "
+                f"got {self.mhc_recompute_group}"
+            )

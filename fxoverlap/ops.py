@@ -1,0 +1,167 @@
+"""fxoverlap's custom ops: EP ``dispatch`` / ``combine`` and the expert grouped GEMM.
+
+They are ``torch.library.custom_op``s with fake kernels and autograd, so the
+capture pass sees each as one node and the backward of a dispatch is a combine
+(and vice versa). Dropless routing gives the dispatch output a data-dependent
+row count: its fake kernel returns an unbacked size, so one capture serves every
+routing outcome.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fxoverlap.kernels import a2a, grouped_gemm
+
+# ---------------------------------------------------------------- dispatch / combine
+
+
+@torch.library.custom_op("fxoverlap::dispatch", mutates_args=())
+def _dispatch(
+    x: torch.Tensor,
+    send_counts: torch.Tensor,
+    group_name: str,
+    recv_counts: torch.Tensor | None,
+    out_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, recv = a2a.dispatch_tokens(x, send_counts, a2a.resolve_group(group_name), recv_counts)
+    if out_rows >= 0 and y.shape[0] != out_rows:
+        raise RuntimeError(
+            f"fxoverlap::dispatch received {y.shape[0]} rows but the caller promised "
+            f"{out_rows} (capacity routing must send the same number of rows to every expert)"
+        )
+    return y, recv
+
+
+@_dispatch.register_fake
+def _(x, send_counts, group_name, recv_counts, out_rows):
+    ep = a2a.world_size(a2a.resolve_group(group_name))
+    rows = out_rows if out_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(rows, x.shape[1]), send_counts.new_empty(ep, send_counts.shape[0] // ep)
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, send_counts, group_name, _, _ = inputs
+    ctx.save_for_backward(send_counts, output[1])
+    ctx.group_name = group_name
+    ctx.x_rows = x.shape[0]
+
+
+def _dispatch_backward(ctx, grad_y, _grad_recv):
+    send_counts, recv_counts = ctx.saved_tensors
+    grad_x = _combine(grad_y, recv_counts, send_counts, ctx.group_name, ctx.x_rows)
+    return grad_x, None, None, None, None
+
+
+_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+@torch.library.custom_op("fxoverlap::combine", mutates_args=())
+def _combine(
+    y: torch.Tensor,
+    recv_counts: torch.Tensor,
+    send_counts: torch.Tensor,
+    group_name: str,
+    out_rows: int,
+) -> torch.Tensor:
+    return a2a.combine_tokens(y, recv_counts, send_counts, a2a.resolve_group(group_name))
+
+
+@_combine.register_fake
+def _(y, recv_counts, send_counts, group_name, out_rows):
+    return y.new_empty(out_rows, y.shape[1])
+
+
+def _combine_setup(ctx, inputs, output):
+    y, recv_counts, send_counts, group_name, _ = inputs
+    ctx.save_for_backward(recv_counts, send_counts)
+    ctx.group_name = group_name
+    ctx.y_rows = y.shape[0]
+
+
+def _combine_backward(ctx, grad_x):
+    recv_counts, send_counts = ctx.saved_tensors
+    grad_y, _ = _dispatch(grad_x, send_counts, ctx.group_name, recv_counts, ctx.y_rows)
+    return grad_y, None, None, None, None
+
+
+_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+def dispatch(
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    static_rows: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send rows of ``x`` (sorted by global expert) to the ranks that own their experts.
+
+    Returns ``(y, recv_counts)``: ``y`` grouped by local expert, ``recv_counts[ep, El]``
+    the rows from each source rank for each local expert. ``static_rows=True``
+    promises that every rank sends the same number of rows to every expert
+    (capacity routing), so ``y`` has as many rows as ``x`` and shapes stay static.
+    """
+    out_rows = x.shape[0] if static_rows else -1
+    return _dispatch(x, tokens_per_expert, a2a.group_name_of(group), None, out_rows)
+
+
+def combine(
+    y: torch.Tensor,
+    recv_counts: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    out_rows: int,
+) -> torch.Tensor:
+    """Inverse of :func:`dispatch`: return expert outputs to the ranks that sent the tokens."""
+    return _combine(y, recv_counts, tokens_per_expert, a2a.group_name_of(group), out_rows)
+
+
+# ---------------------------------------------------------------- grouped GEMM
+
+
+@torch.library.custom_op("fxoverlap::grouped_mm", mutates_args=())
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return grouped_gemm.grouped_mm(x, w, offs)
+
+
+@_grouped_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("fxoverlap::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return grouped_gemm.grouped_mm_wgrad(x, dy, offs)
+
+
+@_grouped_mm_wgrad.register_fake
+def _(x, dy, offs):
+    return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
+
+
+def _gmm_setup(ctx, inputs, output):
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _gmm_backward(ctx, dy):
+    x, w, offs = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = _grouped_mm(dy, w.transpose(-1, -2), offs) if ctx.needs_input_grad[0] else None
+    dw = _grouped_mm_wgrad(x, dy, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``x[rows of group g] @ w[g]`` for each group; ``offs``: int32 cumulative row ends."""
+    return _grouped_mm(x, w, offs)
+
+
+DISPATCH_OP = torch.ops.fxoverlap.dispatch.default
+COMBINE_OP = torch.ops.fxoverlap.combine.default
+GROUPED_MM_WGRAD_OP = torch.ops.fxoverlap.grouped_mm_wgrad.default

@@ -1,0 +1,63 @@
+"""Helpers for multi-rank tests: spawn ``world_size`` gloo ranks on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result: Any = ("ok", fn(rank, world_size, *args))
+    except BaseException as e:  # report, don't hang the other rank's join
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    ``fn`` must be importable (defined at module level). An exception on a rank is
+    re-raised here with that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, d), nprocs=world_size,
+                           start_method="spawn")
+        results = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    errors = [f"rank {r}: {msg}" for r, (status, msg) in enumerate(results) if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [value for _, value in results]
+
+
+def grad_diff(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
+    """(max abs diff, max |ref grad|, bitwise) between ``model``'s grads and ``ref``."""
+    worst, scale, bitwise = 0.0, 0.0, True
+    for name, p in model.named_parameters():
+        r = ref.get(name)
+        if r is None and p.grad is None:
+            continue
+        if (r is None) != (p.grad is None):
+            return float("inf"), 0.0, False
+        worst = max(worst, (p.grad.double() - r.double()).abs().max().item())
+        scale = max(scale, r.abs().max().item())
+        bitwise &= torch.equal(p.grad, r)
+    return worst, scale, bitwise

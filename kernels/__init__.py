@@ -1,0 +1,6 @@
+"""Dispatcher backends and kernels behind fxoverlap's custom ops.
+
+``a2a``: expert-parallel token all-to-all over ``torch.distributed`` (NCCL on GPU,
+gloo on CPU). ``grouped_gemm``: expert GEMMs (``torch._grouped_mm`` or a loop).
+``deepep``: DeepEP, imported only when asked for.
+"""

@@ -1,0 +1,10 @@
+"""fxoverlap's graph passes, one per module, each with one public entry point.
+
+capture -> tag -> split -> recompute -> schedule -> streams -> free -> cudagraph
+"""
+
+from fxoverlap.passes.capture import Capture, CaptureError, capture
+from fxoverlap.passes.split import split
+from fxoverlap.passes.tag import TagError, tag
+
+__all__ = ["Capture", "CaptureError", "TagError", "capture", "split", "tag"]
