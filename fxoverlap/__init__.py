@@ -1,8 +1,9 @@
 """fxoverlap: FX graph passes that overlap expert-parallel all-to-all with compute."""
 
 from fxoverlap.config import OverlapConfig
+from fxoverlap.engine import Engine, optimize
 from fxoverlap.region import region
 from fxoverlap.stage import Direction, Stage, StageKind, StreamKind
 
-__all__ = ["OverlapConfig", "region", "Direction", "Stage", "StageKind", "StreamKind"]
+__all__ = ["Engine", "optimize", "OverlapConfig", "region", "Direction", "Stage", "StageKind", "StreamKind"]
 __version__ = "0.1.0"

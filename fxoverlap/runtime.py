@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.fx
 import torch.nn as nn
 
 from fxoverlap.passes.capture import Capture
@@ -18,11 +20,6 @@ def static_values(capture: Capture, model: nn.Module) -> dict[str, torch.Tensor]
     out = {ph: params[fqn] for ph, fqn in capture.param_placeholders.items()}
     out.update({ph: buffers[fqn] for ph, fqn in capture.buffer_placeholders.items()})
     return out
-
-
-def microbatch_values(capture: Capture, inputs: Sequence[torch.Tensor], loss_dtype: torch.dtype) -> dict:
-    store = dict(zip(capture.input_placeholders, inputs))
-    return store
 
 
 def run_stage(stage: Stage, store: dict) -> None:
@@ -41,11 +38,7 @@ def accumulate_grads(capture: Capture, store: dict, model: nn.Module) -> None:
     for name, fqn in zip(capture.output_names[1:], capture.grad_targets):
         if name is None or fqn is None:
             continue
-        p, g = params[fqn], store[name]
-        if p.grad is None:
-            p.grad = g.detach().clone() if g.data_ptr() == p.data_ptr() else g.detach()
-        else:
-            p.grad.add_(g)
+        _accumulate(params[fqn], store[name])
 
 
 def run_plain(stages: Iterable[Stage], capture: Capture, model: nn.Module, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -60,3 +53,131 @@ def run_plain(stages: Iterable[Stage], capture: Capture, model: nn.Module, input
             run_stage(s, store)
         accumulate_grads(capture, store, model)
     return store[capture.loss_name].detach()
+
+
+class StageFailed(RuntimeError):
+    """A stage raised while the program ran; names the stage and microbatch."""
+
+
+class ProgramRunner:
+    """Walks a program: stage calls, events, frees. Owns streams, events and value stores.
+
+    On CPU streams and events are no-ops and the program runs in its order.
+    """
+
+    def __init__(
+        self,
+        program: torch.fx.GraphModule,
+        stages: Sequence[Stage],
+        capture: Capture,
+        model: nn.Module,
+        device: torch.device,
+        comm_stream_priority: int = -1,
+        record_memory: bool = False,
+    ):
+        from fxoverlap import program_ops
+
+        self.program, self.capture, self.model = program, capture, model
+        self.stages = {s.name: s for s in stages}
+        self.device = device
+        self.record_memory = record_memory
+        self.memory_trace: list[tuple[str, int, int]] = []
+        self._ops = program_ops
+        self._grad_of = {
+            name: fqn for name, fqn in zip(capture.output_names[1:], capture.grad_targets) if name and fqn
+        }
+        self.streams: dict[str, object] = {}
+        if device.type == "cuda":
+            self.streams = {
+                "comp": torch.cuda.current_stream(device),
+                "comm": torch.cuda.Stream(device, priority=comm_stream_priority),
+            }
+        self._nodes = list(program.graph.nodes)
+
+    # ---- helpers
+    def _stream_ctx(self, stream: str | None):
+        if not self.streams or stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.streams[stream])
+
+    def run(self, microbatches: Sequence[Sequence[torch.Tensor]], on_error=None) -> list[torch.Tensor]:
+        cap = self.capture
+        static = static_values(cap, self.model)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        stores = [dict(static, **dict(zip(cap.input_placeholders, mb))) for mb in microbatches]
+        stage_stream: dict[tuple[int, str], str] = {}  # (mb, value) -> stream that produced it
+        losses: list[torch.Tensor | None] = [None] * len(microbatches)
+        events: dict[str, object] = {}
+        ops = self._ops
+        with torch.no_grad():
+            for node in self._nodes:
+                if node.op == "call_module":
+                    stage = self.stages[node.meta["stage"]]
+                    mb = node.meta["microbatch"]
+                    stream = node.kwargs.get("stream")
+                    store = stores[mb]
+                    with self._stream_ctx(stream):
+                        args = [store[i] for i in stage.inputs]
+                        if self.streams:
+                            for v, a in zip(stage.inputs, args):
+                                # A tensor allocated on the other stream: keep its block
+                                # from being reused there until this stream is done with it.
+                                if stage_stream.get((mb, v), "comp") != stream and isinstance(a, torch.Tensor):
+                                    a.record_stream(self.streams[stream])
+                        try:
+                            outs = stage.graph_module(*args)
+                        except Exception as e:
+                            if on_error is not None:
+                                on_error(e)
+                            raise StageFailed(
+                                f"stage {stage.name} (layer {stage.layer}, {stage.kind}, {stage.direction}) "
+                                f"failed on microbatch {mb}: {type(e).__name__}: {e}"
+                            ) from e
+                        for v, o in zip(stage.outputs, outs):
+                            store[v] = o
+                            stage_stream[(mb, v)] = stream or "comp"
+                            fqn = self._grad_of.get(v)
+                            if fqn is not None:
+                                _accumulate(params[fqn], o)
+                    if cap.loss_name in stage.outputs:
+                        losses[mb] = store[cap.loss_name].detach()
+                        seed_tangent(cap, store)
+                    if self.record_memory:
+                        self.memory_trace.append((node.name, mb, live_bytes(stores, static)))
+                elif node.op == "call_function":
+                    if node.target is ops.record_event:
+                        name, stream = node.args
+                        if self.streams:
+                            ev = torch.cuda.Event()
+                            ev.record(self.streams[stream])
+                            events[name] = ev
+                    elif node.target is ops.wait_event:
+                        name, stream = node.args
+                        if self.streams:
+                            self.streams[stream].wait_event(events[name])
+                    elif node.target is ops.free:
+                        mb, *names = node.args
+                        for v in names:
+                            stores[mb].pop(v, None)
+                        if self.record_memory:
+                            self.memory_trace.append((node.name, mb, live_bytes(stores, static)))
+        stores.clear()
+        return losses
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g.detach().clone() if g.data_ptr() == p.data_ptr() else g.detach()
+    else:
+        p.grad.add_(g)
+
+
+def live_bytes(stores: Sequence[dict], static: dict) -> int:
+    """Bytes held by the microbatch value stores (parameters and buffers excluded)."""
+    seen, total = {id(v) for v in static.values()}, 0
+    for store in stores:
+        for name, v in store.items():
+            if isinstance(v, torch.Tensor) and id(v) not in seen:
+                seen.add(id(v))
+                total += v.untyped_storage().nbytes()
+    return total

@@ -107,6 +107,8 @@ class Stage:
     not_capturable_reason: str | None = None
     # Weight-gradient part split off a backward stage (delayed wgrad), or None.
     wgrad_of: str | None = None
+    # Recompute stages: the layers whose mHC forward this stage replays.
+    recompute_layers: tuple[int, ...] = ()
 
     @property
     def tag(self) -> Tag:

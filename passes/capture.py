@@ -51,7 +51,7 @@ class Capture:
     param_placeholders: dict[str, str]  # placeholder name -> parameter FQN
     buffer_placeholders: dict[str, str]  # placeholder name -> buffer FQN
     input_placeholders: list[str]  # the microbatch's tensors, in order
-    tangent_placeholder: str
+    tangent_placeholder: str | None
     output_names: list[str | None]  # value names feeding the graph output
     grad_targets: list[str | None]  # parameter FQN per grad output
     num_layers: int
@@ -110,6 +110,18 @@ class _TrainStep(nn.Module):
         return loss
 
 
+class _Forward(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: torch.Tensor):
+        out = self.model(*inputs)
+        if not isinstance(out, torch.Tensor):
+            raise CaptureError(f"the model returned a {type(out).__name__}; fxoverlap handles one output tensor")
+        return out
+
+
 @contextlib.contextmanager
 def _annotate_layers(layers: list[nn.Module], ffn_child: dict[int, str]):
     """Annotate each layer's ops with its index, and each child's ops with its name."""
@@ -148,8 +160,13 @@ def capture(
     inputs: Sequence[torch.Tensor],
     loss_fn: Callable | None = None,
     layer_container: str | None = None,
+    train: bool = True,
 ) -> Capture:
-    """Trace one train step of ``model`` on inputs shaped like ``inputs``; no data is used."""
+    """Trace one train step of ``model`` on inputs shaped like ``inputs``; no data is used.
+
+    ``train=False`` traces the forward alone (no loss, no backward): the graph
+    returns the model's output and the capture has no tangent or gradients.
+    """
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._functorch._aot_autograd.descriptors import (
         BufferAOTInput,
@@ -171,10 +188,11 @@ def capture(
     found = find_layers(model, layer_container)
     layer_names, layers = (found[0], found[1]) if found else ("", [])
     ffn_child: dict[int, str] = {}
-    step = _TrainStep(model, loss_fn)
+    step = _TrainStep(model, loss_fn) if train else _Forward(model)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
-    with _annotate_layers(layers, ffn_child), contextlib.ExitStack() as stack:
+    grad_mode = contextlib.nullcontext() if train else torch.no_grad()
+    with fx_traceback.preserve_node_meta(), _annotate_layers(layers, ffn_child), contextlib.ExitStack() as stack, grad_mode:
         joint = aot_export_joint_with_descriptors(stack, step, fake_inputs)
     gm = joint.graph_module
     gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, flat tuple out
@@ -203,7 +221,7 @@ def capture(
     descs = out_node.meta.get("desc") or []
     output_names, grad_targets = [], []
     for i, (val, desc) in enumerate(zip(out_args, descs)):
-        if i == 0:
+        if i == 0 or not train:
             if not isinstance(desc, PlainAOTOutput):
                 raise CaptureError(f"capture: first graph output is {desc!r}, expected the loss")
         elif val is None:
@@ -217,7 +235,7 @@ def capture(
         if i:
             target = desc.grad_of if isinstance(desc, GradAOTOutput) else None
             grad_targets.append(strip(target.target) if isinstance(target, ParamAOTInput) else None)
-    if tangent is None:
+    if tangent is None and train:
         raise CaptureError("capture: the loss does not require grad; no parameter of the model is trainable")
     return Capture(
         graph_module=gm,
