@@ -74,6 +74,7 @@ class ProgramRunner:
         device: torch.device,
         comm_stream_priority: int = -1,
         record_memory: bool = False,
+        time_stages: bool = False,
     ):
         from fxoverlap import program_ops
 
@@ -82,6 +83,10 @@ class ProgramRunner:
         self.device = device
         self.record_memory = record_memory
         self.memory_trace: list[tuple[str, int, int]] = []
+        # time_stages: run each stage alone (synchronised) and record its time in
+        # ms under its program node name; for the benchmark's T_serial / T_bound.
+        self.time_stages = time_stages
+        self.stage_times: dict[str, float] = {}
         self._ops = program_ops
         self._grad_of = {
             name: fqn for name, fqn in zip(capture.output_names[1:], capture.grad_targets) if name and fqn
@@ -125,7 +130,10 @@ class ProgramRunner:
                                 if stage_stream.get((mb, v), "comp") != stream and isinstance(a, torch.Tensor):
                                     a.record_stream(self.streams[stream])
                         try:
-                            outs = stage.graph_module(*args)
+                            if self.time_stages:
+                                outs = self._timed(node.name, stage, args)
+                            else:
+                                outs = stage.graph_module(*args)
                         except Exception as e:
                             if on_error is not None:
                                 on_error(e)
@@ -163,6 +171,24 @@ class ProgramRunner:
                             self.memory_trace.append((node.name, mb, live_bytes(stores, static)))
         stores.clear()
         return losses
+
+
+    def _timed(self, name: str, stage: Stage, args: list) -> tuple:
+        import time
+
+        if self.streams:
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            outs = stage.graph_module(*args)
+            end.record()
+            torch.cuda.synchronize(self.device)
+            self.stage_times[name] = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            outs = stage.graph_module(*args)
+            self.stage_times[name] = (time.perf_counter() - t0) * 1e3
+        return outs
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:

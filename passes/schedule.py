@@ -15,7 +15,8 @@ it. A dense layer's ``mlp`` takes the experts slot and has no comm slots. A
 recompute stage runs right before the first backward stage of its group.
 
 Each program node is ``call_module`` on a stage wrapper with ``args=(microbatch,)``
-and ``meta["stage"]``, ``meta["microbatch"]``; the runtime walks them in order.
+and ``meta["stage"]``, ``meta["microbatch"]`` and ``meta["slot"]`` (``(merged step,
+layer pair, slot)``, or None outside the slots); the runtime walks them in order.
 
 Entry point: ``schedule(stages, num_microbatches, num_layers) -> GraphModule``.
 """
@@ -49,7 +50,9 @@ class _Emitter:
         self.root = nn.Module()
         self.graph = torch.fx.Graph()
         self.emitted: set[tuple[str, int]] = set()
-        self.recompute_before: dict[str, list[Stage]] = {}
+        self.recompute_before: dict[tuple[str, int], list[Stage]] = {}
+        # (merged step, layer pair, slot) of the stages emitted now; None outside slots
+        self.slot: tuple[int, int, int] | None = None
 
     def get(self, direction: Direction, layer: int, kind: StageKind) -> list[Stage]:
         return self.by_tag.get((direction, layer, kind), [])
@@ -70,6 +73,7 @@ class _Emitter:
         node.name = f"{'F' if s.direction is Direction.FWD else 'B'}{mb}_{s.name.split('_', 1)[1]}"
         node.meta["stage"] = s.name
         node.meta["microbatch"] = mb
+        node.meta["slot"] = self.slot
 
 
 def _layer_kinds(direction: Direction) -> tuple[StageKind, ...]:
@@ -112,6 +116,7 @@ def schedule(stages: list[Stage], num_microbatches: int, num_layers: int) -> tor
         for j in range(num_layers):
             fl, bl = j, num_layers - 1 - j
             # slot 1: B combine || F attn
+            e.slot = (i, j, 1)
             e.emit(e.get(B, bl, K.POST), b)
             if fl == 0:
                 e.emit(e.get(F, -1, K.EMBED), f)
@@ -120,15 +125,19 @@ def schedule(stages: list[Stage], num_microbatches: int, num_layers: int) -> tor
             e.emit(e.get(F, fl, K.ATTN), f)
             e.emit(e.get(B, bl, K.COMBINE), b)
             # slot 2: F dispatch || B experts
+            e.slot = (i, j, 2)
             e.emit(e.get(B, bl, K.EXPERTS) + e.get(B, bl, K.MLP), b)
             e.emit(e.get(F, fl, K.DISPATCH), f)
             # slot 3: B dispatch || F experts
+            e.slot = (i, j, 3)
             e.emit(e.get(F, fl, K.EXPERTS) + e.get(F, fl, K.MLP), f)
             e.emit(e.get(B, bl, K.DISPATCH), b)
             # slot 4: F combine || B attn (+ its delayed weight-grad)
+            e.slot = (i, j, 4)
             e.emit(e.get(B, bl, K.ATTN), b)
             e.emit([s for s in stages if s.wgrad_of and s.layer == bl and s.direction is B], b)
             e.emit(e.get(F, fl, K.COMBINE), f)
+            e.slot = None
         e.emit(e.get(F, num_layers - 1, K.POST), f)
         e.emit(e.get(F, num_layers, K.HEAD), f)
         e.emit(e.get(B, -1, K.EMBED), b)
