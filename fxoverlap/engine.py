@@ -72,7 +72,7 @@ class Engine:
             log.info("fxoverlap: capturing %s for input signature %s", type(self.model).__name__, key[0])
             cap = capture(self.model, inputs, loss_fn, self.config.layer_container, train=train)
             gm = tag(cap)
-            stages = split(gm, cap.num_layers)
+            stages = split(gm, cap.num_layers, delay_wgrad=self.config.delay_wgrad and train)
             plan = cache[key] = Plan(cap, stages)
         return plan
 
@@ -81,6 +81,10 @@ class Engine:
         if prog is None:
             prog = schedule(plan.stages, n, plan.capture.num_layers)
             prog = streams(prog, plan.stages)
+            if self.config.free_early:
+                from fxoverlap.passes.free import free
+
+                prog = free(prog, plan.stages, plan.capture)
             plan.programs[n] = prog
         return prog
 

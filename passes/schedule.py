@@ -7,8 +7,11 @@ slots per pair, the compute stage of each slot issued before its comm stage:
     slot | comm stream   | compute stream
     1    | B combine     | F attn          (B post right before B combine,
     2    | F dispatch    | B experts        F post(j-1) right before F attn(j))
-    3    | B dispatch    | F experts
-    4    | F combine     | B attn (+ wgrad)
+    3    | B dispatch    | F experts (+ B experts wgrad)
+    4    | F combine     | B attn
+
+With delayed weight-grad, B experts' wgrad joins slot 3 and B attn's wgrad joins
+the next pair's slot 1 (the last pair's runs before B embed).
 
 B head opens the merged step; F post of the last layer, F head and B embed close
 it. A dense layer's ``mlp`` takes the experts slot and has no comm slots. A
@@ -44,9 +47,12 @@ class StageCall(nn.Module):
 class _Emitter:
     def __init__(self, stages: list[Stage]):
         self.by_tag = {}
+        self.wgrad: dict[str, Stage] = {}  # parent stage name -> its delayed weight-grad part
         for s in stages:
-            if s.wgrad_of is None:  # delayed weight-grad parts are placed by slot 4
+            if s.wgrad_of is None:
                 self.by_tag.setdefault((s.direction, s.layer, s.kind), []).append(s)
+            else:
+                self.wgrad[s.wgrad_of] = s
         self.root = nn.Module()
         self.graph = torch.fx.Graph()
         self.emitted: set[tuple[str, int]] = set()
@@ -56,6 +62,9 @@ class _Emitter:
 
     def get(self, direction: Direction, layer: int, kind: StageKind) -> list[Stage]:
         return self.by_tag.get((direction, layer, kind), [])
+
+    def wgrad_of(self, stages: list[Stage]) -> list[Stage]:
+        return [self.wgrad[s.name] for s in stages if s.name in self.wgrad]
 
     def emit(self, stages: list[Stage], mb: int) -> None:
         for s in stages:
@@ -107,6 +116,7 @@ def schedule(stages: list[Stage], num_microbatches: int, num_layers: int) -> tor
         for layer in reversed(range(num_layers)):
             for kind in _layer_kinds(B):
                 e.emit(e.get(B, layer, kind), mb)
+                e.emit(e.wgrad_of(e.get(B, layer, kind)), mb)
         e.emit(e.get(B, -1, K.EMBED), mb)
 
     fwd_all(0)
@@ -123,6 +133,8 @@ def schedule(stages: list[Stage], num_microbatches: int, num_layers: int) -> tor
             else:
                 e.emit(e.get(F, fl - 1, K.POST), f)
             e.emit(e.get(F, fl, K.ATTN), f)
+            if j > 0:  # the previous pair's B attn weight-grad fills this B combine
+                e.emit(e.wgrad_of(e.get(B, bl + 1, K.ATTN)), b)
             e.emit(e.get(B, bl, K.COMBINE), b)
             # slot 2: F dispatch || B experts
             e.slot = (i, j, 2)
@@ -131,15 +143,17 @@ def schedule(stages: list[Stage], num_microbatches: int, num_layers: int) -> tor
             # slot 3: B dispatch || F experts
             e.slot = (i, j, 3)
             e.emit(e.get(F, fl, K.EXPERTS) + e.get(F, fl, K.MLP), f)
+            # B experts' weight-grad fills the B dispatch it no longer delays
+            e.emit(e.wgrad_of(e.get(B, bl, K.EXPERTS) + e.get(B, bl, K.MLP)), b)
             e.emit(e.get(B, bl, K.DISPATCH), b)
-            # slot 4: F combine || B attn (+ its delayed weight-grad)
+            # slot 4: F combine || B attn
             e.slot = (i, j, 4)
             e.emit(e.get(B, bl, K.ATTN), b)
-            e.emit([s for s in stages if s.wgrad_of and s.layer == bl and s.direction is B], b)
             e.emit(e.get(F, fl, K.COMBINE), f)
             e.slot = None
         e.emit(e.get(F, num_layers - 1, K.POST), f)
         e.emit(e.get(F, num_layers, K.HEAD), f)
+        e.emit(e.wgrad_of(e.get(B, 0, K.ATTN)), b)
         e.emit(e.get(B, -1, K.EMBED), b)
         bwd_all(b)  # anything of B(i-1) the slots did not place (e.g. fallback stages)
     bwd_all(num_microbatches - 1)

@@ -9,8 +9,13 @@ back in plain execution order: every forward stage, then every backward stage.
 A stage with a host sync (``.item()``, ``.tolist()``) or a data-dependent shape
 is recorded as not capturable (for CUDA graphs), with the node that makes it so.
 
-Entry point: ``split(gm, num_layers) -> list[Stage]`` (plain data); assumes
-``tag`` ran.
+With ``delay_wgrad``, each backward ``attn``/``experts``/``mlp`` stage is cut in
+two: the weight-gradient part (nodes whose results reach only parameter-gradient
+outputs) becomes a stage of its own, ``<name>_wgrad`` with ``wgrad_of`` naming its
+parent, so the schedule can run it where it fills a comm slot.
+
+Entry point: ``split(gm, num_layers, delay_wgrad=False) -> list[Stage]`` (plain
+data); assumes ``tag`` ran.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch.fx
 import torch.nn as nn
 
 from fxoverlap.passes.tag import TAG_KEY, is_host_sync, op_name
-from fxoverlap.stage import COMM_KINDS, Stage, StreamKind, Tag, stage_name
+from fxoverlap.stage import COMM_KINDS, Direction, Stage, StageKind, StreamKind, Tag, stage_name
 
 
 def _has_unbacked_shape(node: torch.fx.Node) -> bool:
@@ -68,16 +73,40 @@ def build_stage_module(
     return torch.fx.GraphModule(root, graph, class_name=name)
 
 
-def split(gm: torch.fx.GraphModule, num_layers: int) -> list[Stage]:
-    groups: dict[Tag, list[torch.fx.Node]] = {}
+_WGRAD_KINDS = (StageKind.ATTN, StageKind.EXPERTS, StageKind.MLP)
+
+
+def _wgrad_part(nodes: list[torch.fx.Node], output: torch.fx.Node) -> list[torch.fx.Node]:
+    """Nodes of a backward stage whose results reach only the graph's gradient outputs."""
+    members, wgrad = set(nodes), set()
+    for n in reversed(nodes):
+        users = list(n.users)
+        if users and all(u in wgrad or (u is output and n is not output.args[0][0]) for u in users):
+            wgrad.add(n)
+    # A wgrad part made only of views of saved tensors is not worth a stage.
+    heavy = [n for n in wgrad if n.op == "call_function" and "view" not in op_name(n) and op_name(n) not in ("aten.t", "aten.transpose")]
+    return [n for n in nodes if n in wgrad] if heavy else []
+
+
+def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) -> list[Stage]:
+    groups: dict[tuple[Tag, bool], list[torch.fx.Node]] = {}
     for n in gm.graph.nodes:
         t = n.meta.get(TAG_KEY)
         if t is not None:
-            groups.setdefault(t, []).append(n)
+            groups.setdefault((t, False), []).append(n)
+    if delay_wgrad:
+        output = next(iter(gm.graph.find_nodes(op="output")))
+        for (t, _), nodes in list(groups.items()):
+            if t.direction is Direction.BWD and t.kind in _WGRAD_KINDS:
+                w = _wgrad_part(nodes, output)
+                if w and len(w) < len(nodes):
+                    wset = set(w)
+                    groups[(t, False)] = [n for n in nodes if n not in wset]
+                    groups[(t, True)] = w
     owner = {n: t for t, ns in groups.items() for n in ns}
     stages = []
-    for t in sorted(groups, key=lambda t: t.sort_key(num_layers)):
-        nodes = groups[t]
+    for t, is_wgrad in sorted(groups, key=lambda k: (k[0].sort_key(num_layers), k[1])):
+        nodes = groups[(t, is_wgrad)]
         members = set(nodes)
         inputs: list[str] = []
         outputs: list[str] = []
@@ -87,7 +116,7 @@ def split(gm: torch.fx.GraphModule, num_layers: int) -> list[Stage]:
                     inputs.append(p.name)
             if any(u not in members for u in n.users):
                 outputs.append(n.name)
-        name = stage_name(t)
+        name = stage_name(t, "_wgrad" if is_wgrad else "")
         stage = Stage(
             name=name,
             layer=t.layer,
@@ -97,6 +126,7 @@ def split(gm: torch.fx.GraphModule, num_layers: int) -> list[Stage]:
             graph_module=build_stage_module(gm, nodes, inputs, outputs, name),
             inputs=inputs,
             outputs=outputs,
+            wgrad_of=stage_name(t) if is_wgrad else None,
         )
         for n in nodes:
             if is_host_sync(n):

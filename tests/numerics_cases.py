@@ -1,0 +1,116 @@
+"""Workers for the 2-rank numerics tests (spawned ranks import this module by name)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import fxoverlap
+from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.passes import capture, split, tag
+from fxoverlap.runtime import run_plain
+from fxoverlap.testing import grad_diff
+
+
+def make_batches(rank: int, vocab: int, n: int, seed: int = 0, batch=(2, 16)):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return [
+        (torch.randint(0, vocab, batch, generator=g), torch.randint(0, vocab, batch, generator=g))
+        for _ in range(n)
+    ]
+
+
+def eager_grads(model, mbs, rounds: int = 1):
+    losses = []
+    for _ in range(rounds):
+        for mb in mbs:
+            loss = model(*mb)
+            loss.backward()
+            losses.append(loss.detach())
+    ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return losses, ref
+
+
+def stagewise(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    """Issue 2: one microbatch through capture -> tag -> split, stages in plain order."""
+    out = []
+    for kw in configs:
+        torch.manual_seed(0)
+        cfg = MoEConfig.tiny(**kw)
+        model = MoETransformer(cfg, dist.group.WORLD)
+        mbs = make_batches(rank, cfg.vocab_size, 1)
+        losses, ref = eager_grads(model, mbs)
+        cap = capture(model, mbs[0])
+        stages = split(tag(cap), cap.num_layers)
+        loss = run_plain(stages, cap, model, mbs[0])
+        diff, scale, bitwise = grad_diff(model, ref)
+        out.append(dict(config=kw, loss_equal=torch.equal(loss, losses[0]), diff=diff, scale=scale,
+                        bitwise=bitwise, stages=[s.name for s in stages]))
+    return out
+
+
+def interleaved(rank: int, world: int, configs: list[dict], ns: list[int], delay_wgrad: bool) -> list[dict]:
+    """Issue 3: forward_backward over N microbatches equals eager, for each N."""
+    out = []
+    for kw in configs:
+        torch.manual_seed(0)
+        cfg = MoEConfig.tiny(**kw)
+        model = MoETransformer(cfg, dist.group.WORLD)
+        engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(delay_wgrad=delay_wgrad))
+        for n in ns:
+            mbs = make_batches(rank, cfg.vocab_size, n, seed=n)
+            ref_losses, ref = eager_grads(model, mbs)
+            losses = engine.forward_backward(mbs)
+            diff, scale, bitwise = grad_diff(model, ref)
+            model.zero_grad(set_to_none=True)
+            out.append(dict(config=kw, n=n, losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
+                            diff=diff, scale=scale, bitwise=bitwise,
+                            wgrad_stages=sum(1 for s in engine.stages if s.wgrad_of)))
+    return out
+
+
+def two_calls(rank: int, world: int) -> dict:
+    """Two consecutive forward_backward calls accumulate like two eager rounds."""
+    torch.manual_seed(0)
+    cfg = MoEConfig.tiny(shared_expert_dim=32)
+    model = MoETransformer(cfg, dist.group.WORLD)
+    mbs = make_batches(rank, cfg.vocab_size, 2)
+    _, ref = eager_grads(model, mbs, rounds=2)
+    engine = fxoverlap.optimize(model, dist.group.WORLD)
+    engine.forward_backward(mbs)
+    engine.forward_backward(mbs)
+    diff, scale, bitwise = grad_diff(model, ref)
+    return dict(diff=diff, scale=scale, bitwise=bitwise)
+
+
+def titan(rank: int, world: int, n: int) -> dict:
+    """A torchtitan-style model (functional collectives, no fxoverlap import)."""
+    from titan_models import TitanTransformer
+
+    torch.manual_seed(0)
+    model = TitanTransformer(dist.group.WORLD)
+    mbs = make_batches(rank, 64, n)
+    ref_losses, ref = eager_grads(model, mbs)
+    cap = capture(model, mbs[0])
+    stages = split(tag(cap), cap.num_layers)
+    loss0 = run_plain(stages, cap, model, mbs[0])
+    model.zero_grad(set_to_none=True)
+    engine = fxoverlap.optimize(model, dist.group.WORLD)
+    losses = engine.forward_backward(mbs)
+    diff, scale, bitwise = grad_diff(model, ref)
+    return dict(stagewise_loss_equal=torch.equal(loss0, ref_losses[0]),
+                losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
+                diff=diff, scale=scale, bitwise=bitwise,
+                stages=[(s.name, s.stream.value) for s in engine.stages])
+
+
+def forward_only(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    cfg = MoEConfig.tiny(shared_expert_dim=32)
+    model = MoETransformer(cfg, dist.group.WORLD)
+    tokens, labels = make_batches(rank, cfg.vocab_size, 1)[0]
+    engine = fxoverlap.optimize(model, dist.group.WORLD)
+    with torch.no_grad():
+        logits_ref, loss_ref = model(tokens), model(tokens, labels)
+    return dict(logits_equal=torch.equal(engine(tokens), logits_ref), loss_equal=torch.equal(engine(tokens, labels), loss_ref))

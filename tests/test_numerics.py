@@ -1,0 +1,94 @@
+"""Numerics against eager on 2 gloo ranks (CPU fp32).
+
+Tolerance (DESIGN.md): max abs grad diff <= 1e-6 * max |eager grad|. The stage
+graphs run the very aten ops eager runs, in the same order per microbatch, so we
+also record whether results are bitwise equal; they are in every case here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import numerics_cases as cases
+from fxoverlap.testing import run_distributed
+
+STAGEWISE = [
+    dict(),  # dropless, softmax top-2, no shared expert
+    dict(routing="capacity"),
+    dict(shared_expert_dim=32),
+    dict(routing="capacity", shared_expert_dim=32, router="sigmoid"),
+    dict(layer_pattern=("moe", "dense")),
+]
+
+INTERLEAVED = [
+    dict(layer_pattern=("dense", "dense")),
+    dict(),
+    dict(layer_pattern=("moe", "dense"), shared_expert_dim=32),
+    dict(top_k=1, router="sigmoid"),
+    dict(routing="capacity", top_k=2, router="softmax", shared_expert_dim=32),
+    dict(routing="capacity", top_k=1, router="sigmoid", layer_pattern=("moe", "dense")),
+]
+NS = [1, 2, 3, 5]
+
+
+def _ok(r) -> bool:
+    return r["diff"] <= 1e-6 * r["scale"]
+
+
+_RESULTS: dict[str, list] = {}
+
+
+def _run(name: str, *args):
+    """One spawn per distinct worker call, shared by the tests that read it."""
+    key = f"{name}{args!r}"
+    if key not in _RESULTS:
+        _RESULTS[key] = run_distributed(getattr(cases, name), *args)
+    return _RESULTS[key]
+
+
+@pytest.mark.parametrize("i", range(len(STAGEWISE)), ids=[str(c) for c in STAGEWISE])
+def test_stagewise_matches_eager(i):
+    for rank_results in _run("stagewise", STAGEWISE):
+        r = rank_results[i]
+        assert r["loss_equal"], r
+        assert _ok(r), r
+        assert r["bitwise"], f"not bitwise (within tolerance): {r}"
+
+
+def test_stagewise_stage_kinds():
+    r = _run("stagewise", STAGEWISE)[0]
+    moe_dense = r[-1]["stages"]
+    assert {"fwd_l0_dispatch", "fwd_l0_experts", "fwd_l0_combine", "fwd_l0_post", "fwd_l1_mlp"} <= set(moe_dense)
+    assert "fwd_l1_dispatch" not in moe_dense and "bwd_l0_dispatch" in moe_dense
+
+
+@pytest.mark.parametrize("delay_wgrad", [False, True])
+@pytest.mark.parametrize("i", range(len(INTERLEAVED)), ids=[str(c) for c in INTERLEAVED])
+def test_forward_backward_matches_eager(i, delay_wgrad):
+    for rank_results in _run("interleaved", INTERLEAVED, NS, delay_wgrad):
+        rows = [r for r in rank_results if r["config"] == INTERLEAVED[i]]
+        assert [r["n"] for r in rows] == NS
+        for r in rows:
+            assert r["losses_equal"], r
+            assert _ok(r), r
+            assert r["bitwise"], r
+            assert (r["wgrad_stages"] > 0) == delay_wgrad, r
+
+
+def test_two_calls_accumulate_like_eager():
+    for r in _run("two_calls"):
+        assert _ok(r) and r["bitwise"], r
+
+
+def test_torchtitan_style_model():
+    for r in _run("titan", 3):
+        assert r["stagewise_loss_equal"] and r["losses_equal"], r
+        assert _ok(r) and r["bitwise"], r
+        kinds = dict(r["stages"])
+        assert kinds["fwd_l0_dispatch"] == "comm" and kinds["bwd_l1_combine"] == "comm"
+        assert kinds["fwd_l0_experts"] == "comp" and kinds["fwd_l1_post"] == "comp"
+
+
+def test_forward_only_call():
+    for r in _run("forward_only"):
+        assert r["logits_equal"] and r["loss_equal"], r
