@@ -1,0 +1,43 @@
+"""Workers for the 2-rank error tests."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import fxoverlap
+from fxoverlap.models import MoEConfig, MoETransformer
+from numerics_cases import make_batches
+
+
+def rank_failure(rank: int, world: int) -> tuple:
+    """Rank 1's stage raises mid-program; rank 0 must fail too, quickly, not hang."""
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.tiny(), dist.group.WORLD)
+    engine = fxoverlap.optimize(model, dist.group.WORLD)
+    mbs = make_batches(rank, 256, 2)
+    engine.forward_backward(mbs)  # builds the plan
+    if rank == 1:
+        stage = next(s for s in engine.stages if s.name == "fwd_l1_attn")
+
+        def boom(*args):
+            raise RuntimeError("injected failure")
+
+        stage.graph_module = boom
+    start = time.monotonic()
+    try:
+        engine.forward_backward(mbs)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+def bad_expert_split(rank: int, world: int) -> str:
+    model = MoETransformer(MoEConfig.tiny(n_experts=3, top_k=2))  # built for one rank
+    try:
+        fxoverlap.optimize(model, dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -1,0 +1,35 @@
+"""Compact renderings of graphs for expecttest snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxoverlap.passes.tag import TAG_KEY, op_name
+
+requires_pinned_torch = pytest.mark.skipif(
+    not torch.__version__.startswith("2.13"),
+    reason="graph snapshots are pinned to torch 2.13 (aten op names change across releases)",
+)
+
+
+def render_tagged(gm: torch.fx.GraphModule, direction: str = "fwd") -> str:
+    """One line per node of ``direction``: tag, name, op, input names."""
+    lines = []
+    for n in gm.graph.nodes:
+        t = n.meta.get(TAG_KEY)
+        if t is None or t.direction.value != direction:
+            continue
+        args = ", ".join(a.name for a in n.all_input_nodes)
+        lines.append(f"{t.layer:>2} {t.kind.value:<8} {n.name} = {op_name(n) if n.op == 'call_function' else n.op}({args})")
+    return "\n".join(lines)
+
+
+def render_program(program: torch.fx.GraphModule) -> str:
+    """The program's code without FX's trailing `x = None` bookkeeping."""
+    out = []
+    for line in program.code.strip().splitlines():
+        line = line.split(";  ")[0].rstrip()
+        if line.strip() and not line.strip().startswith("return"):
+            out.append(line.strip())
+    return "\n".join(out)
