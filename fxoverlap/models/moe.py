@@ -3,7 +3,9 @@
 Embedding, RMSNorm, SDPA attention with RoPE, a top-k router (softmax, or
 sigmoid with a selection bias), an optional shared expert, routed experts with
 expert parallelism through ``fxoverlap.ops.dispatch`` / ``combine``, a per-layer
-pattern of dense and MoE layers, LM head and cross-entropy loss.
+pattern of dense and MoE layers, LM head and cross-entropy loss. Optional:
+manifold-constrained hyper-connections (``mhc_rate``, see ``mhc.py``) and a
+DeepSeek-V3-style multi-token-prediction head of depth 1 (``mtp``).
 
 Routing modes: ``"dropless"`` (variable split sizes; the dispatch output has a
 data-dependent row count) and ``"capacity"`` (drop-and-pad to a fixed number of
@@ -22,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxoverlap import ops
+from fxoverlap.models.mhc import HyperConnection, contract_streams, expand_streams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +46,18 @@ class MoEConfig:
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # mHC: the residual stream widened to this many copies (the paper's n = 4); None: off.
+    mhc_rate: int | None = None
+    # A multi-token-prediction module of depth 1; its loss is added with this weight.
+    mtp: bool = False
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
+        if self.mhc_rate is not None and self.mhc_rate < 1:
+            raise ValueError(
+                f"MoEConfig.mhc_rate is the number of residual streams of mHC and must be >= 1 "
+                f"(or None for off), got {self.mhc_rate}"
+            )
         pattern = self.pattern
         if len(pattern) != self.n_layers:
             raise ValueError(f"layer_pattern has {len(pattern)} entries for {self.n_layers} layers")
@@ -229,38 +242,89 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: MoEConfig, layer_id: int, ep_group: dist.ProcessGroup | None):
+    def __init__(self, cfg: MoEConfig, kind: str, ep_group: dist.ProcessGroup | None, mhc_rate: int | None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        if cfg.pattern[layer_id] == "moe":
+        if kind == "moe":
             self.moe = MoE(cfg, ep_group)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.dense_dim)
+        if mhc_rate is not None:
+            self.attention_hc = HyperConnection(mhc_rate, cfg.dim, cfg.norm_eps)
+            self.ffn_hc = HyperConnection(mhc_rate, cfg.dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+        """``x``: ``[B, S, D]``, or ``[B, S, n, D]`` with mHC."""
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        if not hasattr(self, "attention_hc"):
+            h = x + self.attention(self.attention_norm(x))
+            return h + ffn(self.ffn_norm(h))
+        h, h_post, h_res = self.attention_hc.pre(x)
+        x = self.attention_hc.post(x, self.attention(self.attention_norm(h)), h_post, h_res)
+        h, h_post, h_res = self.ffn_hc.pre(x)
+        return self.ffn_hc.post(x, ffn(self.ffn_norm(h)), h_post, h_res)
+
+
+class MTP(nn.Module):
+    """Multi-token prediction of depth 1 (DeepSeek-V3): from the main model's last
+    hidden state and the embedding of the next token, predict the token after it.
+    One transformer block with a dense FFN (no all-to-all outside the decoder layers)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        if cfg.mhc_rate is not None:
+            self.hc_contract = nn.Parameter(torch.full((cfg.mhc_rate,), 1.0 / cfg.mhc_rate))
+        self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg, "dense", None, None)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, h: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        """``h``: the main model's hidden state before the final norm (``[B, S, n, D]``
+        before contraction with mHC); ``next_embed``: embeddings of tokens shifted by one."""
+        if hasattr(self, "hc_contract"):
+            h = contract_streams(h, self.hc_contract)
+        h = self.proj(torch.cat([self.hidden_norm(h), self.embed_norm(next_embed)], dim=-1))
+        return self.norm(self.block(h))
 
 
 class MoETransformer(nn.Module):
-    """``forward(tokens, labels=None)``: logits, or the mean cross-entropy loss given labels."""
+    """``forward(tokens, labels=None)``: logits, or the mean cross-entropy loss given labels
+    (plus ``mtp_loss_weight`` times the MTP loss with ``cfg.mtp``)."""
 
     def __init__(self, cfg: MoEConfig, ep_group: dist.ProcessGroup | None = None):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i, ep_group) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, kind, ep_group, cfg.mhc_rate) for kind in cfg.pattern)
+        if cfg.mhc_rate is not None:
+            self.hc_contract = nn.Parameter(torch.full((cfg.mhc_rate,), 1.0 / cfg.mhc_rate))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.mtp:
+            self.mtp = MTP(cfg)  # not in self.layers: it is part of the head
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
+        if self.cfg.mhc_rate is not None:
+            h = expand_streams(h, self.cfg.mhc_rate)
         for layer in self.layers:
             h = layer(h)
+        streams = h
+        if self.cfg.mhc_rate is not None:
+            h = contract_streams(h, self.hc_contract)
         logits = self.output(self.norm(h))
         if labels is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        if not self.cfg.mtp:
+            return loss
+        # Position i sees token i+1 and predicts label i+1 (the token after next);
+        # the last position has no next token and is left out of the loss.
+        next_tokens = F.pad(tokens[:, 1:], (0, 1), value=0)
+        mtp_logits = self.output(self.mtp(streams, self.tok_embeddings(next_tokens)))
+        mtp_loss = F.cross_entropy(mtp_logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return loss + self.cfg.mtp_loss_weight * mtp_loss
