@@ -56,7 +56,7 @@ class Capture:
     grad_targets: list[str | None]  # parameter FQN per grad output
     num_layers: int
     layer_names: list[str]
-    ffn_child: dict[int, str]  # dense layers: the child module that is the FFN
+    param_children: dict[int, set[str]]  # per layer: children with parameters that ran
     signature: tuple
 
     @property
@@ -123,7 +123,7 @@ class _Forward(nn.Module):
 
 
 @contextlib.contextmanager
-def _annotate_layers(layers: list[nn.Module], ffn_child: dict[int, str]):
+def _annotate_layers(layers: list[nn.Module], param_children: dict[int, set[str]]):
     """Annotate each layer's ops with its index, and each child's ops with its name."""
     handles, open_ctx = [], []
 
@@ -141,7 +141,7 @@ def _annotate_layers(layers: list[nn.Module], ffn_child: dict[int, str]):
         for name, child in layer.named_children():
             def pre(m, a, i=i, name=name, has_params=any(True for _ in child.parameters())):
                 if has_params:
-                    ffn_child[i] = name  # the last parameterized child called wins
+                    param_children.setdefault(i, set()).add(name)
                 enter({CHILD_KEY: name})
 
             handles.append(child.register_forward_pre_hook(pre))
@@ -187,12 +187,12 @@ def capture(
             )
     found = find_layers(model, layer_container)
     layer_names, layers = (found[0], found[1]) if found else ("", [])
-    ffn_child: dict[int, str] = {}
+    param_children: dict[int, set[str]] = {}
     step = _TrainStep(model, loss_fn) if train else _Forward(model)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()
-    with fx_traceback.preserve_node_meta(), _annotate_layers(layers, ffn_child), contextlib.ExitStack() as stack, grad_mode:
+    with fx_traceback.preserve_node_meta(), _annotate_layers(layers, param_children), contextlib.ExitStack() as stack, grad_mode:
         joint = aot_export_joint_with_descriptors(stack, step, fake_inputs)
     gm = joint.graph_module
     gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, flat tuple out
@@ -247,6 +247,6 @@ def capture(
         grad_targets=grad_targets,
         num_layers=len(layers),
         layer_names=[f"{layer_names}.{i}" for i in range(len(layers))],
-        ffn_child=ffn_child,
+        param_children=param_children,
         signature=input_signature(inputs),
     )

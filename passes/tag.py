@@ -10,7 +10,8 @@ dispatch):
 * ``experts``: depends on the dispatch, feeds the combine;
 * ``post``: depends on the combine;
 * ``attn``: the rest of the layer. A layer without communication is dense:
-  its last parameterized child (the FFN) and what depends on it are ``mlp``.
+  its last parameterized child to run outside region "mhc" (the FFN) and
+  what depends on it are ``mlp``.
 
 Nodes outside every layer are ``embed`` (before the first layer) or ``head``.
 Backward nodes take the tag of the forward op they differentiate (``seq_nr``);
@@ -139,7 +140,14 @@ def _tag_layer_forward(layer: int, nodes: list[torch.fx.Node], capture: Capture)
         return Tag(Direction.FWD, layer, kind)
 
     if not comm:
-        ffn = capture.ffn_child.get(layer)
+        # The FFN: the last child with parameters to run, ignoring hyper-connection
+        # code (region "mhc"), which may wrap the FFN from both sides.
+        owners = capture.param_children.get(layer, set())
+        ffn = None
+        for n in nodes:
+            child = _custom(n).get(CHILD_KEY)
+            if child in owners and _custom(n).get(REGION_KEY) != "mhc":
+                ffn = child
         mlp: set[torch.fx.Node] = set()
         for n in nodes:
             if (ffn is not None and _custom(n).get(CHILD_KEY) == ffn) or any(p in mlp for p in n.all_input_nodes):
