@@ -21,7 +21,7 @@ class OverlapConfig:
         cuda_graphs: run capturable compute stages as CUDA graphs (GPU only).
         mhc_recompute_group: with mHC layers, replay the hyper-connection forward
             of each group of this many layers before the group's backward instead
-            of saving its activations. ``0`` turns recompute off.
+            of saving its activations. ``None``: recompute off.
         record_memory: keep a per-step trace of live values and bytes
             (``engine.memory_trace``); for tests and debugging.
         warn_on_fallback: warn when a model falls back to a single stage per
@@ -33,13 +33,13 @@ class OverlapConfig:
     delay_wgrad: bool = False
     free_early: bool = True
     cuda_graphs: bool = False
-    mhc_recompute_group: int = 0
+    mhc_recompute_group: int | None = None
     record_memory: bool = False
     warn_on_fallback: bool = True
 
     def __post_init__(self) -> None:
-        if self.mhc_recompute_group < 0:
+        if self.mhc_recompute_group is not None and self.mhc_recompute_group < 1:
             raise ValueError(
-                f"OverlapConfig.mhc_recompute_group must be >= 1 (or 0 for off), "
+                f"OverlapConfig.mhc_recompute_group must be >= 1 (or None for no recompute), "
                 f"got {self.mhc_recompute_group}"
             )

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from fxoverlap.config import OverlapConfig
 from fxoverlap.passes.capture import Capture, capture, input_signature
+from fxoverlap.passes.recompute import recompute
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.split import split
 from fxoverlap.passes.streams import streams
@@ -72,6 +73,8 @@ class Engine:
             log.info("fxoverlap: capturing %s for input signature %s", type(self.model).__name__, key[0])
             cap = capture(self.model, inputs, loss_fn, self.config.layer_container, train=train)
             gm = tag(cap)
+            if train and self.config.mhc_recompute_group is not None:
+                gm = recompute(gm, cap.num_layers, self.config.mhc_recompute_group)
             stages = split(gm, cap.num_layers, delay_wgrad=self.config.delay_wgrad and train)
             plan = cache[key] = Plan(cap, stages)
         return plan

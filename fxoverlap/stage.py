@@ -76,7 +76,7 @@ class Tag:
 
 _KIND_RANK = {
     StageKind.EMBED: 0,
-    StageKind.RECOMPUTE: 0,
+    StageKind.RECOMPUTE: 99,  # backward: before every stage of its group's top layer
     StageKind.ATTN: 1,
     StageKind.DISPATCH: 2,
     StageKind.EXPERTS: 3,

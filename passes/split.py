@@ -127,6 +127,7 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
             inputs=inputs,
             outputs=outputs,
             wgrad_of=stage_name(t) if is_wgrad else None,
+            recompute_layers=tuple(nodes[0].meta.get("fxoverlap_recompute_layers", ())),
         )
         for n in nodes:
             if is_host_sync(n):
