@@ -114,7 +114,7 @@ def test_new_shapes_in_a_later_call_are_captured_anew():
 
 def test_config_errors():
     with pytest.raises(ValueError, match="mhc_recompute_group"):
-        fxoverlap.OverlapConfig(mhc_recompute_group=-1)
+        fxoverlap.OverlapConfig(mhc_recompute_group=0)
     with pytest.raises(ValueError, match="layer_pattern entries"):
         MoEConfig.tiny(layer_pattern=("moe", "mlp"))
 
