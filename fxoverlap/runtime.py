@@ -83,6 +83,7 @@ class ProgramRunner:
         self.device = device
         self.record_memory = record_memory
         self.memory_trace: list[tuple[str, int, int]] = []
+        self.leftover: dict[int, list[str]] = {}  # record_memory: values left in the stores at the end
         # time_stages: run each stage alone (synchronised) and record its time in
         # ms under its program node name; for the benchmark's T_serial / T_bound.
         self.time_stages = time_stages
@@ -114,6 +115,7 @@ class ProgramRunner:
         losses: list[torch.Tensor | None] = [None] * len(microbatches)
         events: dict[str, object] = {}
         ops = self._ops
+        static_keys = static_storage_keys(static) if self.record_memory else frozenset()
         with torch.no_grad():
             for node in self._nodes:
                 if node.op == "call_module":
@@ -151,7 +153,7 @@ class ProgramRunner:
                         losses[mb] = store[cap.loss_name].detach()
                         seed_tangent(cap, store)
                     if self.record_memory:
-                        self.memory_trace.append((node.name, mb, live_bytes(stores, static)))
+                        self.memory_trace.append((node.name, mb, live_bytes(stores, static_keys)))
                 elif node.op == "call_function":
                     if node.target is ops.record_event:
                         name, stream = node.args
@@ -168,7 +170,12 @@ class ProgramRunner:
                         for v in names:
                             stores[mb].pop(v, None)
                         if self.record_memory:
-                            self.memory_trace.append((node.name, mb, live_bytes(stores, static)))
+                            self.memory_trace.append((node.name, mb, live_bytes(stores, static_keys)))
+        if self.record_memory:
+            # What the program left behind: ("end", -1, bytes), and the names per microbatch.
+            self.memory_trace.append(("end", -1, live_bytes(stores, static_keys)))
+            left = {mb: [v for v in st if v not in static] for mb, st in enumerate(stores)}
+            self.leftover = {mb: names for mb, names in left.items() if names}
         stores.clear()
         return losses
 
@@ -198,12 +205,35 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
-def live_bytes(stores: Sequence[dict], static: dict) -> int:
-    """Bytes held by the microbatch value stores (parameters and buffers excluded)."""
-    seen, total = {id(v) for v in static.values()}, 0
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def static_storage_keys(static: dict) -> frozenset:
+    """Storages of the parameters and buffers (views of them, like ``w.t()``, share these)."""
+    return frozenset(_storage_key(v) for v in static.values() if isinstance(v, torch.Tensor))
+
+
+def live_bytes(stores: Sequence[dict], static_keys: frozenset | dict) -> int:
+    """Bytes of the tensors held by the microbatch value stores.
+
+    Each underlying storage counts once (views and values shared between stores
+    are deduplicated by device and storage pointer); storages of parameters and
+    buffers (``static_keys``, or the dict of static values) are left out; values
+    that are not tensors (SymInt sizes) count nothing.
+    """
+    if isinstance(static_keys, dict):
+        static_keys = static_storage_keys(static_keys)
+    seen_ids: set[int] = set()
+    seen: set[tuple] = set(static_keys)
+    total = 0
     for store in stores:
-        for name, v in store.items():
-            if isinstance(v, torch.Tensor) and id(v) not in seen:
-                seen.add(id(v))
+        for v in store.values():
+            if not isinstance(v, torch.Tensor) or id(v) in seen_ids:
+                continue
+            seen_ids.add(id(v))
+            key = _storage_key(v)
+            if key not in seen:
+                seen.add(key)
                 total += v.untyped_storage().nbytes()
     return total
