@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Markdown tables from a folder of benchmark outputs (scripts/gpu_bench.sh writes one).
+
+    python scripts/bench_summary.py DIR
+
+Reads ``DIR/fx_<name>.json`` (``python -m fxoverlap.bench --name fx_<name>``) and
+``DIR/peer_<regime>_<routing>_overlap{0,1}.log`` (the ``RESULT {...}`` line of
+``peer_megatron.py``) and prints our figures, the peer's, and the two side by side.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+
+def _f(v, spec=".1f"):
+    return "-" if v is None else format(v, spec)
+
+
+def load_ours(d: str) -> dict[str, dict]:
+    out = {}
+    for path in sorted(glob.glob(os.path.join(d, "fx_*.json"))):
+        with open(path) as fh:
+            out[os.path.basename(path)[3:-5]] = json.load(fh)
+    return out
+
+
+def load_peer(d: str) -> dict[str, dict[int, dict]]:
+    out: dict[str, dict[int, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(d, "peer_*_overlap[01].log"))):
+        tag = os.path.basename(path)[5:-13]
+        ov = int(path[-5])
+        with open(path, errors="replace") as fh:
+            for line in fh:
+                if line.startswith("RESULT "):
+                    out.setdefault(tag, {})[ov] = json.loads(line[7:])
+    return out
+
+
+def ours_table(ours: dict[str, dict]) -> list[str]:
+    rows = [
+        "| run | eager ms | fxoverlap ms | speedup | T_serial ms | T_bound ms | overlap eff. | tokens/s eager → fx "
+        "| peak GiB eager → fx | loss max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for tag, r in ours.items():
+        m = r.get("modes", {})
+        e, f = m.get("eager", {}), m.get("fxoverlap", {})
+        ratio = r.get("peak_mem_ratio_vs_eager")
+        rows.append(
+            f"| {tag} | {_f(e.get('step_ms'))} | {_f(f.get('step_ms'))} | {_f(r.get('speedup_vs_eager'), '.3f')}× "
+            f"| {_f(r.get('T_serial_ms'))} | {_f(r.get('T_bound_ms'))} | {_f(r.get('overlap_efficiency'), '.2f')} "
+            f"| {_f(e.get('tokens_per_s'), '.0f')} → {_f(f.get('tokens_per_s'), '.0f')} "
+            f"| {_f(e.get('peak_mem_gib'), '.2f')} → {_f(f.get('peak_mem_gib'), '.2f')}"
+            f"{'' if ratio is None else f' ({(ratio - 1) * 100:+.0f} %)'} "
+            f"| {_f(r.get('numerics', {}).get('loss_max_abs_diff'), '.2g')} |"
+        )
+    return rows
+
+
+def peer_table(peer: dict[str, dict[int, dict]]) -> list[str]:
+    rows = [
+        "| run | overlap off ms | overlap on ms | speedup | tokens/s off → on | peak GiB off → on |",
+        "|---|---|---|---|---|---|",
+    ]
+    for tag, by in peer.items():
+        off, on = by.get(0, {}), by.get(1, {})
+        a, b = off.get("step_ms_median_cuda_event"), on.get("step_ms_median_cuda_event")
+        pa = max(off.get("max_memory_allocated_GiB_per_rank", [0]) or [0]) or None
+        pb = max(on.get("max_memory_allocated_GiB_per_rank", [0]) or [0]) or None
+        rows.append(
+            f"| {tag} | {_f(a)} | {_f(b)} | {_f(a / b if a and b else None, '.3f')}× "
+            f"| {_f(off.get('tokens_per_s_global'), '.0f')} → {_f(on.get('tokens_per_s_global'), '.0f')} "
+            f"| {_f(pa, '.2f')} → {_f(pb, '.2f')} |"
+        )
+    return rows
+
+
+def side_by_side(ours: dict[str, dict], peer: dict[str, dict[int, dict]]) -> list[str]:
+    rows = [
+        "| regime, routing | speedup fxoverlap vs our eager | speedup Megatron overlap on vs off "
+        "| tokens/s fxoverlap | tokens/s Megatron (on) | peak mem. change fxoverlap | peak mem. change Megatron |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tag, by in peer.items():
+        r = ours.get(tag, {})
+        off, on = by.get(0, {}), by.get(1, {})
+        a, b = off.get("step_ms_median_cuda_event"), on.get("step_ms_median_cuda_event")
+        pa = max(off.get("max_memory_allocated_GiB_per_rank", [0]) or [0])
+        pb = max(on.get("max_memory_allocated_GiB_per_rank", [0]) or [0])
+        ratio = r.get("peak_mem_ratio_vs_eager")
+        rows.append(
+            f"| {tag} | {_f(r.get('speedup_vs_eager'), '.3f')}× | {_f(a / b if a and b else None, '.3f')}× "
+            f"| {_f(r.get('modes', {}).get('fxoverlap', {}).get('tokens_per_s'), '.0f')} "
+            f"| {_f(on.get('tokens_per_s_global'), '.0f')} "
+            f"| {'-' if ratio is None else f'{(ratio - 1) * 100:+.0f} %'} "
+            f"| {f'{(pb / pa - 1) * 100:+.0f} %' if pa and pb else '-'} |"
+        )
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    d = argv[0]
+    ours, peer = load_ours(d), load_peer(d)
+    lines = ["## fxoverlap (python -m fxoverlap.bench)", "", *ours_table(ours), ""]
+    if peer:
+        lines += ["## Megatron-Core peer (peer_megatron.py)", "", *peer_table(peer), "",
+                  "## Side by side", "", *side_by_side(ours, peer), ""]
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
