@@ -112,6 +112,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      help="OverlapConfig fields, e.g. comm_stream_priority=0,delay_wgrad=1")
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
+    run.add_argument("--nccl-high-priority", type=int, choices=(0, 1), default=1,
+                     help="run NCCL's internal stream at high priority (ProcessGroupNCCL option); the "
+                          "all-to-all kernels run there, not on fxoverlap's comm stream")
+    run.add_argument("--nccl-max-ctas", type=int, default=None,
+                     help="cap the CTAs (SMs) NCCL kernels may take, leaving more to the GEMMs")
     run.add_argument("--no-grad-check", action="store_true",
                      help="skip comparing fxoverlap's gradients with eager's (needs a host copy of the grads)")
     out = p.add_argument_group("output")
@@ -566,6 +571,7 @@ class Bench:
             "stage_reps": a.stage_reps, "world_size": self.world, "ep": self.world,
             "overlap_config": dataclasses.asdict(self.engine.config),
             "tokens_per_step_global": self.tokens_per_step,
+            "nccl_high_priority": a.nccl_high_priority, "nccl_max_ctas": a.nccl_max_ctas,
             "params_per_rank": sum(p.numel() for p in self.model.parameters()),
         }
         r["modes"] = {}
@@ -797,6 +803,16 @@ def plot_timeline(timelines: Sequence[Sequence[dict]], path: str, title: str = "
 # ---------------------------------------------------------------- entry points
 
 
+def nccl_options(args: argparse.Namespace):
+    """ProcessGroupNCCL options from the --nccl-* flags (None: NCCL's defaults)."""
+    if not args.nccl_high_priority and args.nccl_max_ctas is None:
+        return None
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=bool(args.nccl_high_priority))
+    if args.nccl_max_ctas is not None:
+        opts.config.max_ctas = args.nccl_max_ctas
+    return opts
+
+
 def setup(args: argparse.Namespace) -> tuple[dist.ProcessGroup, torch.device, bool]:
     """The world group and this rank's device; initialises the process group if needed."""
     want = args.device
@@ -812,7 +828,7 @@ def setup(args: argparse.Namespace) -> tuple[dist.ProcessGroup, torch.device, bo
     if owns:
         timeout = datetime.timedelta(seconds=args.timeout)
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device, timeout=timeout)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout, pg_options=nccl_options(args))
         else:
             dist.init_process_group("gloo", timeout=timeout)
     return dist.group.WORLD, device, owns

@@ -14,8 +14,28 @@ group at all.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
+
+# Host copies of the split sizes, keyed by the recv_counts tensor object they were
+# computed for. A dispatch pays one device-to-host sync for its counts; the combine
+# of the same tokens and both backward all-to-alls reuse the lists instead of
+# syncing again. Entries die with their tensor (so an id is never reused while
+# cached), and the version counter guards against in-place edits.
+_host_splits: dict[int, tuple[int, tuple[list[int], list[int], list[int]]]] = {}
+
+
+def _remember(counts: torch.Tensor, splits: tuple[list[int], list[int], list[int]]) -> None:
+    key = id(counts)
+    _host_splits[key] = (counts._version, splits)
+    weakref.finalize(counts, _host_splits.pop, key, None)
+
+
+def _recall(counts: torch.Tensor) -> tuple[list[int], list[int], list[int]] | None:
+    hit = _host_splits.get(id(counts))
+    return hit[1] if hit is not None and hit[0] == counts._version else None
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup | None:
@@ -68,12 +88,15 @@ def dispatch_tokens(
     if ep == 1:
         return x.clone(), recv_counts.clone()
     el = recv_counts.shape[1]
-    send_per_rank, recv_per_src, recv_flat = _split_counts(send_counts, recv_counts, ep, el)
+    splits = _split_counts(send_counts, recv_counts, ep, el)
+    send_per_rank, recv_per_src, recv_flat = splits
     out = x.new_empty(sum(recv_per_src), x.shape[1])
     dist.all_to_all_single(out, x.contiguous(), recv_per_src, send_per_rank, group=group)
     # source-major -> expert-major
     y = torch.cat(_reorder_chunks(out, recv_flat, ep, el)) if out.shape[0] else out
-    return y, recv_counts.clone()
+    recv_out = recv_counts.clone()
+    _remember(recv_out, splits)
+    return y, recv_out
 
 
 def combine_tokens(
@@ -98,6 +121,9 @@ def combine_tokens(
 def _split_counts(
     send_counts: torch.Tensor, recv_counts: torch.Tensor, ep: int, el: int
 ) -> tuple[list[int], list[int], list[int]]:
+    cached = _recall(recv_counts)
+    if cached is not None:
+        return cached
     # One device-to-host copy for all split lists: the only host sync.
     host = torch.cat(
         [send_counts.view(ep, el).sum(1), recv_counts.sum(1), recv_counts.flatten()]
