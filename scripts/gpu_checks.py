@@ -10,7 +10,8 @@
 * memory: peak ``max_memory_allocated`` of the interleaved program vs eager sequential at
   two microbatch sizes (target <= 1.10).
 * recompute: peak memory of an mHC model (>= 4 layers) with recompute off vs on.
-Set TORCH_CUDA_SANITIZER=1 to run the program under CSAN (use ``--checks numerics``).
+* csan: the program (free pass on, delayed wgrad off/on, both routings) under CSAN,
+  enabled after the capture (``--checks csan``).
 Prints one ``CHECK {...}`` JSON line per result on rank 0; ``--out`` writes them to a file.
 """
 
@@ -62,13 +63,45 @@ def _model(cfg, device, dtype):
     return MoETransformer(cfg, dist.group.WORLD).to(device=device, dtype=dtype)
 
 
-def check_numerics(device, emit):
+def check_csan(device, emit):
+    """The interleaved program under CSAN (torch.cuda._sanitizer). The sanitizer is
+    enabled after the capture: it inspects real tensors and cannot run under the
+    fake tensors of tracing. Any unsynchronised cross-stream access raises."""
+    import torch.cuda._sanitizer as csan
+
+    results = {}
     for routing in ("dropless", "capacity"):
-        cfg = MoEConfig.tiny(dim=1024, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=512,
-                             shared_expert_dim=512, vocab_size=8192, max_seq_len=1024, routing=routing,
+        cfg = MoEConfig.tiny(dim=256, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=128,
+                             shared_expert_dim=128, vocab_size=4096, max_seq_len=256, routing=routing,
                              layer_pattern=("moe", "moe", "dense", "moe"))
         model = _model(cfg, device, torch.bfloat16)
-        batches = _batches(cfg, 3, 2, 1024, device)
+        batches = _batches(cfg, 3, 2, 256, device)
+        for wgrad in (False, True):
+            engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(delay_wgrad=wgrad))
+            engine.forward_backward(batches)  # capture outside the sanitizer
+            model.zero_grad(set_to_none=True)
+            results[(routing, wgrad)] = engine
+    csan.enable_cuda_sanitizer()
+    for (routing, wgrad), engine in results.items():
+        error = None
+        try:
+            batches = _batches(engine.model.cfg, 3, 2, 256, device, seed=1)
+            engine.forward_backward(batches)
+            torch.cuda.synchronize()
+        except Exception as e:  # CSAN raises CUDASanitizerErrors on a race
+            error = f"{type(e).__name__}: {str(e)[:2000]}"
+        engine.model.zero_grad(set_to_none=True)
+        emit(dict(check="csan", routing=routing, delay_wgrad=wgrad, free_early=True, error=error, ok=error is None))
+
+
+def check_numerics(device, emit, small=False):
+    for routing in ("dropless", "capacity"):
+        dim, seq = (256, 256) if small else (1024, 1024)
+        cfg = MoEConfig.tiny(dim=dim, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=dim // 2,
+                             shared_expert_dim=dim // 2, vocab_size=8192, max_seq_len=seq, routing=routing,
+                             layer_pattern=("moe", "moe", "dense", "moe"))
+        model = _model(cfg, device, torch.bfloat16)
+        batches = _batches(cfg, 3, 2, seq, device)
         l1, g1 = _eager(model, batches)
         l2, g2 = _eager(model, batches)
         engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(delay_wgrad=True))
@@ -141,6 +174,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--checks", default="numerics,memory,recompute")
     p.add_argument("--out", default=None)
+    p.add_argument("--small", action="store_true", help="a small model for the numerics check (e.g. under CSAN)")
     args = p.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(rank)
@@ -149,13 +183,15 @@ def main() -> None:
     results = []
 
     def emit(r):
-        r["csan"] = os.environ.get("TORCH_CUDA_SANITIZER") == "1"
         results.append(r)
         if dist.get_rank() == 0:
             print("CHECK " + json.dumps(r), flush=True)
 
     for name in args.checks.split(","):
-        {"numerics": check_numerics, "memory": check_memory, "recompute": check_recompute}[name](device, emit)
+        if name == "numerics":
+            check_numerics(device, emit, small=args.small)
+        else:
+            {"memory": check_memory, "recompute": check_recompute, "csan": check_csan}[name](device, emit)
     if args.out and dist.get_rank() == 0:
         with open(args.out, "a") as f:
             for r in results:
