@@ -7,3 +7,5 @@ from fxoverlap.stage import Direction, Stage, StageKind, StreamKind
 
 __all__ = ["Engine", "optimize", "OverlapConfig", "region", "Direction", "Stage", "StageKind", "StreamKind"]
 __version__ = "0.1.0"
+
+from fxoverlap import backend  # noqa: E402,F401  (registers torch.compile backend "fxoverlap")
