@@ -12,6 +12,7 @@ import torch.fx
 import torch.nn as nn
 
 from fxoverlap.config import OverlapConfig
+from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.passes.recompute import recompute
 from fxoverlap.passes.schedule import schedule
@@ -59,6 +60,7 @@ class Engine:
         self._fwd_plans: dict[tuple, Plan] = {}
         self._last: tuple[Plan, int] | None = None
         self.memory_trace: list[tuple[str, int, int]] = []
+        self._cudagraphs = GraphCache(config.cuda_graphs)  # captured CUDA graphs; see close()
 
     # ---------------------------------------------------------------- building
     def _device(self) -> torch.device:
@@ -84,6 +86,10 @@ class Engine:
         if prog is None:
             prog = schedule(plan.stages, n, plan.capture.num_layers)
             prog = streams(prog, plan.stages)
+            if self.config.cuda_graphs:  # before free: free leaves graph-owned outputs alone
+                from fxoverlap.passes.cudagraph import cudagraph
+
+                prog = cudagraph(prog, plan.stages)
             if self.config.free_early:
                 from fxoverlap.passes.free import free
 
@@ -119,6 +125,7 @@ class Engine:
             prog, plan.stages, plan.capture, self.model, self._device(),
             comm_stream_priority=self.config.comm_stream_priority,
             record_memory=self.config.record_memory,
+            cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, self._device()),
         )
         losses = runner.run(mbs, on_error=self._abort_group)
         self.memory_trace = runner.memory_trace
@@ -129,8 +136,21 @@ class Engine:
         plan = self._build(inputs, None, train=False)
         prog = self._program(plan, 1)
         runner = ProgramRunner(prog, plan.stages, plan.capture, self.model, self._device(),
-                               comm_stream_priority=self.config.comm_stream_priority)
+                               comm_stream_priority=self.config.comm_stream_priority,
+                               cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, self._device()))
         return runner.run([inputs], on_error=self._abort_group)[0]
+
+    def close(self) -> None:
+        """Release the CUDA graphs this engine captured (and their memory pools).
+
+        Call it before ``dist.destroy_process_group()``: no graph may outlive the
+        process group. It waits for the device first. Comm stages are never captured
+        (they stay eager), so no NCCL kernel is in any graph; DESIGN.md reports that
+        processes that had captured an all-to-all hung in ``destroy_process_group()``.
+        Explicit, never from ``atexit``. The engine stays usable: a later step
+        captures its graphs anew. A no-op without ``cuda_graphs``.
+        """
+        self._cudagraphs.close()
 
     def _abort_group(self, exc: BaseException) -> None:
         """A stage raised: tear the EP group down so peers blocked in a collective fail, not hang."""

@@ -75,6 +75,7 @@ class ProgramRunner:
         comm_stream_priority: int = -1,
         record_memory: bool = False,
         time_stages: bool = False,
+        cuda_graphs=None,
     ):
         from fxoverlap import program_ops
 
@@ -88,6 +89,9 @@ class ProgramRunner:
         # ms under its program node name; for the benchmark's T_serial / T_bound.
         self.time_stages = time_stages
         self.stage_times: dict[str, float] = {}
+        # cuda_graphs: a fxoverlap.cudagraphs.StageGraphs that runs the calls the
+        # cudagraph pass marked (node.meta["cudagraph"]), or None: all eager.
+        self.cuda_graphs = cuda_graphs
         self._ops = program_ops
         self._grad_of = {
             name: fqn for name, fqn in zip(capture.output_names[1:], capture.grad_targets) if name and fqn
@@ -131,11 +135,16 @@ class ProgramRunner:
                                 # from being reused there until this stream is done with it.
                                 if stage_stream.get((mb, v), "comp") != stream and isinstance(a, torch.Tensor):
                                     a.record_stream(self.streams[stream])
+                        graphed = False  # outs are a CUDA graph's static outputs, overwritten at replay
                         try:
                             if self.time_stages:
                                 outs = self._timed(node.name, stage, args)
+                            elif self.cuda_graphs is not None and node.meta.get("cudagraph"):
+                                outs, graphed = self.cuda_graphs.call(node, stage, args)
                             else:
                                 outs = stage.graph_module(*args)
+                            if self.cuda_graphs is not None:
+                                self.cuda_graphs.note_reads(args)
                         except Exception as e:
                             if on_error is not None:
                                 on_error(e)
@@ -148,9 +157,11 @@ class ProgramRunner:
                             stage_stream[(mb, v)] = stream or "comp"
                             fqn = self._grad_of.get(v)
                             if fqn is not None:
-                                _accumulate(params[fqn], o)
+                                _accumulate(params[fqn], o, copy=graphed)
                     if cap.loss_name in stage.outputs:
                         losses[mb] = store[cap.loss_name].detach()
+                        if graphed:
+                            losses[mb] = losses[mb].clone()
                         seed_tangent(cap, store)
                     if self.record_memory:
                         self.memory_trace.append((node.name, mb, live_bytes(stores, static_keys)))
@@ -198,9 +209,10 @@ class ProgramRunner:
         return outs
 
 
-def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+def _accumulate(p: torch.Tensor, g: torch.Tensor, copy: bool = False) -> None:
+    # copy: g is graph memory (overwritten at the next replay); p.grad must not alias it.
     if p.grad is None:
-        p.grad = g.detach().clone() if g.data_ptr() == p.data_ptr() else g.detach()
+        p.grad = g.detach().clone() if copy or g.data_ptr() == p.data_ptr() else g.detach()
     else:
         p.grad.add_(g)
 

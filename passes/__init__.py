@@ -1,6 +1,6 @@
 """fxoverlap's graph passes, one per module, each with one public entry point.
 
-capture -> tag -> split -> recompute -> schedule -> streams -> free -> cudagraph
+capture -> tag -> recompute -> split -> schedule -> streams -> cudagraph -> free
 """
 
 from fxoverlap.passes.capture import Capture, CaptureError, capture

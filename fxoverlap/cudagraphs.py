@@ -1,0 +1,415 @@
+"""CUDA graphs for stage calls: the runtime side of ``passes/cudagraph.py``.
+
+The pass marks program nodes ``meta["cudagraph"] = True``; with
+``OverlapConfig(cuda_graphs=True)`` on a CUDA device, :class:`ProgramRunner` hands
+each such call to a :class:`StageGraphs` (one per program, kept by the engine across
+steps), which captures the stage once per *copy* and afterwards only replays it.
+Communication stages are never captured: they stay eager on the comm stream, so no
+NCCL kernel lives in a graph (capturing one made ``destroy_process_group()`` hang on
+the GPU machine, DESIGN.md). ``Engine.close()`` releases every graph and pool; call
+it before ``dist.destroy_process_group()``.
+
+Copies: why two graphs per stage
+--------------------------------
+A graph writes its outputs to fixed (static) addresses at every replay. Two
+microbatches are in flight: the saved activations of microbatch i, written by
+F(i)'s graphs, are read by B(i), which runs interleaved with F(i+1). If F(i+1)
+replayed the same graph it would overwrite them before B(i) used them. So each
+stage has one graph per microbatch parity (``copy = microbatch % copies``), and
+microbatch i+2 is the next one to overwrite microbatch i's outputs. That is safe
+because of the schedule (``passes/schedule.py``): F(0); merged step i runs
+F(i) ⊗ B(i-1) for i = 1..N-1 and ends with ``bwd_all(i-1)``, which places whatever
+of B(i-1) the slots did not; then B(N-1). So F(i) is issued in merged step i
+(F(0) before the first one) and all of B(i), its recompute and weight-grad stages
+included, in merged step i+1 (B(N-1) after the last one); the first call of
+microbatch i+2, in merged step i+2, comes after B(i) finished issuing in merged
+step i+1. :func:`in_flight_depth` checks exactly this on the program (the
+smallest k such that every call of microbatch m precedes every call of m+k) rather
+than trusting it: 2 for this schedule with N >= 2, 1 for N = 1, and a future
+schedule with more microbatches in flight gets more copies.
+
+Issue order is not GPU order. Readers on the graph's own stream are ordered by the
+stream. A reader on another stream (an eager all-to-all on the comm stream reading
+the experts stage's static output) records an event after its call
+(:meth:`StageGraphs.note_reads`), and every replay of a graph of that copy first
+makes its stream wait on those events. In the current schedule these waits are
+already implied by data dependencies (the next graph of the copy consumes the
+comm stage's output), so they cost nothing; they make the rule independent of that.
+
+Static inputs
+-------------
+Parameters and buffers are passed to the graph as they are (stable addresses; a
+moved parameter is an error, not a silent stale read). A value that is the static
+output of another graph of the same copy (the attn stage's output read by the
+backward attn stage of the same microbatch) is read in place: no buffer, no copy;
+at replay the incoming tensor must be that very tensor. Everything else (outputs of
+eager comm stages, the microbatch inputs, the loss tangent) is copied into a static
+input buffer before each replay, on the stage's stream.
+
+Memory pools
+------------
+Outputs of different graphs must not alias while both are live. Each copy gets its
+own pool, so graphs of different parities never share memory: microbatch i's
+saved activations (copy i%2) are live while copy (i+1)%2's graphs replay. Within a
+copy, one pool is shared by all its graphs when that is safe by PyTorch's rule for
+sharing a pool: the graphs replay in the order they were captured and never
+concurrently. Every graph keeps its static outputs referenced until
+:meth:`StageGraphs.close`, so a later capture can only reuse an earlier graph's
+*temporaries*; with every microbatch of the copy replaying the same sequence of
+graphs as the one that captured them (captures happen in the copy's first
+microbatch, in program order), an earlier graph never replays between a later
+graph's replay and that microbatch's last read of its outputs, because microbatch m
+is done before m+copies starts. This is checked on the program per copy (same
+sequence of graphed stages for every microbatch of the copy, all graphed calls on
+one stream); where it fails (e.g. delayed weight-grad stages placed differently in
+the last microbatch's backward) that copy falls back to one private pool per graph,
+and the reason is logged.
+
+Costs: every graphed stage keeps two sets of static outputs alive for the life of
+the engine, including parameter-gradient outputs of backward stages (which the
+runtime accumulates into ``p.grad`` right after the call; ``p.grad`` is never an
+alias of graph memory). Programs for different microbatch counts get separate
+graphs. Capture happens in the first step: per graph, a few warm-up runs on a side
+stream (as PyTorch's CUDA-graph docs recommend: lazy initialisation such as cuBLAS
+handles or the grouped-GEMM probe must not happen during capture), then the capture,
+then one replay. A capture that fails (e.g. a host sync hidden inside a custom op)
+leaves that stage eager, with a logged reason.
+
+Capture runs on a side capture stream (``torch.cuda.graph``'s own), not on the
+stage's stream: the compute stream is normally the legacy default stream, which
+cannot be captured. Where a graph was captured does not matter for its replay,
+which the runtime issues on the stage's stream. All graphs replay on that one
+stream (only compute stages are graphed); a graph that would replay on a second
+stream is left eager instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.fx
+
+from fxoverlap.stage import Stage
+
+log = logging.getLogger("fxoverlap")
+
+WARMUP_ITERS = 3
+
+_CONST, _STATIC, _SHARED, _COPY = "const", "static", "shared", "copy"
+
+
+def _calls(program: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in program.graph.nodes if n.op == "call_module" and "stage" in n.meta]
+
+
+def in_flight_depth(program: torch.fx.GraphModule) -> int:
+    """Smallest k such that every stage call of microbatch m precedes every call of m + k."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, n in enumerate(_calls(program)):
+        mb = n.meta["microbatch"]
+        first.setdefault(mb, i)
+        last[mb] = i
+    depth = 1
+    for a in first:
+        for b in first:
+            if b > a and first[b] < last[a]:
+                depth = max(depth, b - a + 1)
+    return depth
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+class CudaBackend:
+    """The few CUDA calls :class:`StageGraphs` makes, in one place (tests substitute a
+    CPU stand-in to check the copy and static-buffer logic without a GPU)."""
+
+    def current_stream(self, device):
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device):
+        return torch.cuda.Stream(device)
+
+    def stream(self, s):
+        return torch.cuda.stream(s)
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def synchronize(self, device) -> None:
+        torch.cuda.synchronize(device)
+
+    def pool_handle(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn, pool):
+        """Capture ``fn()`` into a new graph; returns ``(graph, fn's outputs)``."""
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog thread may query events of collectives
+        # issued before this capture; that must not invalidate it.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            outs = fn()
+        return graph, outs
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+
+class _Graph:
+    """One stage captured for one copy."""
+
+    def __init__(self, stage: Stage, copy: int, graph, static_args: list, kinds: list[str], outs: tuple, stream):
+        self.stage, self.copy, self.graph = stage, copy, graph
+        self.static_args, self.kinds, self.outs, self.stream = static_args, kinds, outs, stream
+
+    def load(self, args: Sequence) -> None:
+        """Bring the incoming values into the graph's static inputs (on the current stream)."""
+        for i, (kind, s, a) in enumerate(zip(self.kinds, self.static_args, args)):
+            if kind == _COPY:
+                if a is s:
+                    continue
+                if a.shape != s.shape or a.dtype != s.dtype:
+                    raise RuntimeError(self._bad(i, a, s, "has a different shape or dtype than at capture"))
+                if a.data_ptr() == s.data_ptr() and a.stride() == s.stride():
+                    continue  # the static buffer itself, as another view
+                s.copy_(a)
+            elif kind == _SHARED:
+                if a is not s:
+                    raise AssertionError(self._bad(
+                        i, a, s, "was the static output of another graph at capture but is not that tensor now"))
+            elif kind == _STATIC:
+                if a.data_ptr() != s.data_ptr() or a.shape != s.shape or a.stride() != s.stride():
+                    raise RuntimeError(self._bad(
+                        i, a, s, "(a parameter or buffer) moved or changed shape since capture; call "
+                                 "engine.close() to drop the captured graphs so they are captured anew"))
+            elif a != s:
+                raise RuntimeError(self._bad(i, a, s, "is a non-tensor value that changed since capture"))
+
+    def _bad(self, i: int, a, s, what: str) -> str:
+        desc = lambda t: f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)  # noqa: E731
+        return (f"cudagraph: input {self.stage.inputs[i]} of stage {self.stage.name} (copy {self.copy}) {what}: "
+                f"now {desc(a)}, at capture {desc(s)}")
+
+
+class StageGraphs:
+    """The CUDA graphs of one program's graphed stage calls, one per (stage, copy)."""
+
+    def __init__(self, program: torch.fx.GraphModule, stages: Sequence[Stage], static_names,
+                 device: torch.device, backend: CudaBackend | None = None):
+        self.device = device
+        self.cuda = backend or CudaBackend()
+        self.static_names = frozenset(static_names)
+        self.copies = in_flight_depth(program)
+        self._graphs: dict[tuple[str, int], _Graph] = {}
+        self.eager: dict[str, str] = {}  # stage name -> why it runs eagerly after all (capture-time)
+        self._out_ids: dict[int, int] = {}  # id of a static output -> its copy
+        self._owned: dict[tuple, tuple[int, object]] = {}  # storage -> (copy, stream of its graph)
+        self._pending: dict[int, list] = {}  # copy -> events of cross-stream readers not yet waited on
+        self._pools: dict[int, object] = {}
+        self._side = None  # side stream for warm-up runs
+        self._warmed: set[str] = set()
+        self._graph_streams: list = []  # the streams graphs were captured from (replay there)
+        self.shared_pool = self._plan_pools(program)
+
+    # ---------------------------------------------------------------- planning
+    def _plan_pools(self, program: torch.fx.GraphModule) -> dict[int, bool]:
+        graphed = [n for n in _calls(program) if n.meta.get("cudagraph")]
+        seqs: dict[int, list[str]] = {}
+        for n in graphed:
+            seqs.setdefault(n.meta["microbatch"], []).append(n.meta["stage"])
+        one_stream = len({n.kwargs.get("stream") for n in graphed}) <= 1
+        shared = {}
+        for c in range(self.copies):
+            mbs = sorted(mb for mb in seqs if mb % self.copies == c)
+            same = all(seqs[mb] == seqs[mbs[0]] for mb in mbs)
+            shared[c] = one_stream and same
+            if mbs and not shared[c]:
+                why = "graphed stages run on more than one stream" if not one_stream else (
+                    f"microbatch {next(mb for mb in mbs if seqs[mb] != seqs[mbs[0]])} replays the graphs "
+                    f"in another order than microbatch {mbs[0]}, which captures them")
+                log.info("fxoverlap cudagraph: copy %d uses one memory pool per graph: %s", c, why)
+        return shared
+
+    def _pool(self, copy: int):
+        if not self.shared_pool.get(copy):
+            return None  # a private pool of its own
+        if copy not in self._pools:
+            self._pools[copy] = self.cuda.pool_handle()
+        return self._pools[copy]
+
+    # ---------------------------------------------------------------- running
+    def call(self, node: torch.fx.Node, stage: Stage, args: Sequence) -> tuple[tuple, bool]:
+        """Run one stage call; returns ``(outputs, graphed)``. Outputs of a graph are its
+        static outputs (not copies): valid until the same graph replays for microbatch
+        + copies. Runs on the current stream, which the runtime set to the stage's."""
+        copy = node.meta["microbatch"] % self.copies
+        g = self._graphs.get((stage.name, copy))
+        if g is None:
+            if stage.name not in self.eager:
+                g = self._capture(stage, copy, args)
+            if g is None:
+                return stage.graph_module(*args), False
+            return g.outs, True  # the capture replayed it once already
+        self._wait_readers(copy)
+        g.load(args)
+        g.graph.replay()
+        return g.outs, True
+
+    def note_reads(self, args: Sequence) -> None:
+        """After a stage call was issued on the current stream: if it read graph memory
+        that a graph on another stream owns, that graph's copy must not replay until
+        this stream is past the read."""
+        if not self._owned:
+            return
+        cur = self.cuda.current_stream(self.device)
+        if self._graph_streams[0] == cur:
+            return  # the usual case: every graph and this call on the compute stream
+        ev = None
+        for a in args:
+            if not isinstance(a, torch.Tensor) or a.device != self.device:
+                continue
+            hit = self._owned.get(_storage_key(a))
+            if hit is None or hit[1] == cur:
+                continue
+            if ev is None:
+                ev = self.cuda.new_event()
+                ev.record(cur)
+            pending = self._pending.setdefault(hit[0], [])
+            if not pending or pending[-1] is not ev:
+                pending.append(ev)
+
+    def _wait_readers(self, copy: int) -> None:
+        events = self._pending.pop(copy, None)
+        if events:
+            cur = self.cuda.current_stream(self.device)
+            for ev in events:
+                cur.wait_event(ev)
+
+    def _capture(self, stage: Stage, copy: int, args: Sequence) -> _Graph | None:
+        for name, a in zip(stage.inputs, args):
+            if isinstance(a, torch.Tensor) and a.device != self.device:
+                return self._fallback(stage, f"input {name} is on {a.device}, not {self.device}")
+        cur = self.cuda.current_stream(self.device)
+        if self._graph_streams and not self._graph_streams[0] == cur:
+            # The reader-event bookkeeping (note_reads / _wait_readers) assumes one
+            # replay stream; graphed stages are compute stages, all on one stream.
+            return self._fallback(stage, "graphs replaying on more than one stream are not supported")
+        self._wait_readers(copy)
+        static_args, kinds, static_storage = [], [], set()
+        for name, a in zip(stage.inputs, args):
+            if not isinstance(a, torch.Tensor):
+                kind = _CONST
+            elif name in self.static_names:
+                kind = _STATIC
+                static_storage.add(_storage_key(a))
+            elif self._out_ids.get(id(a)) == copy:
+                kind = _SHARED
+            else:
+                kind = _COPY
+                buf = torch.empty_like(a)  # same strides where a is dense
+                buf.copy_(a)
+                a = buf
+            kinds.append(kind)
+            static_args.append(a)
+        try:
+            if self._side is None:
+                self._side = self.cuda.new_stream(self.device)
+            self._side.wait_stream(cur)
+            with self.cuda.stream(self._side):
+                # The stage's other copy was warmed up already: lazy initialisation is done.
+                for _ in range(0 if stage.name in self._warmed else WARMUP_ITERS):
+                    stage.graph_module(*static_args)
+            cur.wait_stream(self._side)
+            self._warmed.add(stage.name)
+            graph, outs = self.cuda.capture(lambda: tuple(stage.graph_module(*static_args)), self._pool(copy))
+        except Exception as e:  # noqa: BLE001 - any capture failure leaves the stage eager
+            self.cuda.synchronize(self.device)
+            return self._fallback(stage, f"capture failed: {type(e).__name__}: {e}")
+        graph.replay()  # on the stage's stream: this call's outputs
+        g = _Graph(stage, copy, graph, static_args, kinds, outs, cur)
+        self._graphs[(stage.name, copy)] = g
+        if not self._graph_streams:
+            self._graph_streams.append(cur)
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                self._out_ids.setdefault(id(o), copy)
+                key = _storage_key(o)
+                if key not in static_storage:  # a view of a parameter is not graph memory
+                    self._owned.setdefault(key, (copy, cur))
+        return g
+
+    def _fallback(self, stage: Stage, reason: str) -> None:
+        self.eager[stage.name] = reason
+        log.warning("fxoverlap cudagraph: stage %s runs eagerly: %s", stage.name, reason)
+        return None
+
+    # ---------------------------------------------------------------- teardown
+    def summary(self) -> dict:
+        return {
+            "graphs": len(self._graphs),
+            "stages_graphed": len({k[0] for k in self._graphs}),
+            "copies": self.copies,
+            "shared_pool": {str(c): v for c, v in self.shared_pool.items()},
+            "eager_fallbacks": dict(self.eager),
+        }
+
+    def close(self) -> None:
+        """Wait for the device, then drop every graph, static buffer and pool."""
+        if self._graphs:
+            self.cuda.synchronize(self.device)
+        graphs = list(self._graphs.values())
+        self._graphs.clear()
+        self._out_ids.clear()
+        self._owned.clear()
+        self._pending.clear()
+        self._pools.clear()
+        self._graph_streams.clear()
+        self._warmed.clear()
+        for g in graphs:
+            g.graph.reset()
+            g.static_args = g.outs = None
+        self._side = None
+
+
+class GraphCache:
+    """The engine's :class:`StageGraphs`, one per program; see ``Engine.close()``."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._by_program: dict[int, StageGraphs] = {}
+        self._warned = False
+
+    def get(self, program: torch.fx.GraphModule, stages: Sequence[Stage], capture,
+            device: torch.device) -> StageGraphs | None:
+        """The graphs for ``program``, or None where CUDA graphs are off or cannot run."""
+        if not self.enabled:
+            return None
+        if device.type != "cuda":
+            if not self._warned:
+                self._warned = True
+                msg = (f"fxoverlap: OverlapConfig(cuda_graphs=True) has no effect on {device.type}: "
+                       f"CUDA graphs need a CUDA device; every stage runs eagerly")
+                log.warning(msg)
+                warnings.warn(msg, stacklevel=3)
+            return None
+        sg = self._by_program.get(id(program))
+        if sg is None:
+            static_names = set(capture.param_placeholders) | set(capture.buffer_placeholders)
+            sg = self._by_program[id(program)] = StageGraphs(program, stages, static_names, device)
+        return sg
+
+    def summaries(self) -> list[dict]:
+        return [sg.summary() for sg in self._by_program.values()]
+
+    def close(self) -> None:
+        graphs = list(self._by_program.values())
+        self._by_program.clear()
+        for sg in graphs:
+            sg.close()
+        if graphs:
+            graphs[0].cuda.empty_cache()

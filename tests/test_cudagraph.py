@@ -1,0 +1,440 @@
+"""CUDA graphs (issue 6, item 1), on CPU: the cudagraph pass and the runtime's logic.
+
+- the pass marks exactly the capturable compute stages: in capacity routing every
+  compute stage, in dropless routing all but the experts stages (skipped with a
+  reason naming the node); comm stages are never marked; each skipped stage's
+  reason is logged once; graph-owned outputs are never freed by the free pass;
+- on CPU, ``cuda_graphs=True`` is a no-op for the runtime with a one-time warning,
+  numerics unchanged (bitwise);
+- the runtime's capture/replay logic (``fxoverlap.cudagraphs.StageGraphs``) run on
+  a CPU stand-in for the CUDA API whose "graphs" rewrite their static outputs in
+  place at every replay, as a real graph does: the program's results stay bitwise
+  equal with 1-5 microbatches (two copies per stage, static inputs shared between
+  graphs, no gradient or loss aliasing graph memory), and a single copy per stage
+  visibly corrupts them (the test has teeth); cross-stream reads of graph memory
+  make the next replay of that copy wait.
+
+What needs a GPU (real capture, memory pools, streams, NCCL teardown) is in
+``tests/gpu_cudagraph_check.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+import torch.fx
+
+import fxoverlap
+import fxoverlap.cudagraphs as cg
+from fxoverlap import program_ops
+from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.passes.cudagraph import cudagraph, skip_reason
+from fxoverlap.runtime import ProgramRunner
+from fxoverlap.stage import Direction, Stage, StageKind, StreamKind
+
+
+def _model(routing: str, **kw):
+    torch.manual_seed(0)
+    return MoETransformer(MoEConfig.tiny(routing=routing, **kw))
+
+
+def _batches(n: int, vocab: int, distinct: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    one = lambda: (torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g))  # noqa: E731
+    if not distinct:
+        return [one()] * n
+    return [one() for _ in range(n)]
+
+
+def _grads(model):
+    out = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _calls(program):
+    return [n for n in program.graph.nodes if n.op == "call_module" and "stage" in n.meta]
+
+
+def _run(model, config, mbs):
+    engine = fxoverlap.optimize(model, None, config)
+    losses = engine.forward_backward(mbs)
+    return engine, losses, _grads(model)
+
+
+# ---------------------------------------------------------------- the pass
+
+
+def test_capacity_every_compute_stage_graphed():
+    model = _model("capacity")
+    vocab = model.cfg.vocab_size if hasattr(model, "cfg") else 256
+    with pytest.warns(UserWarning, match="cuda_graphs"):
+        engine, _, _ = _run(model, fxoverlap.OverlapConfig(cuda_graphs=True), _batches(2, vocab, distinct=False))
+    by_name = {s.name: s for s in engine.stages}
+    comp = {s.name for s in engine.stages if s.stream is StreamKind.COMP}
+    comm = {s.name for s in engine.stages if s.stream is StreamKind.COMM}
+    assert comp and comm
+    assert all(by_name[n].capturable for n in comp), engine.stage_table()
+    marked = {n.meta["stage"] for n in _calls(engine.program) if n.meta.get("cudagraph")}
+    assert marked == comp
+    for n in _calls(engine.program):
+        s = by_name[n.meta["stage"]]
+        if s.name in comm:
+            assert "cudagraph" not in n.meta
+            assert "communication stage" in n.meta["cudagraph_skip"] and s.name in n.meta["cudagraph_skip"]
+        else:
+            assert n.meta["cudagraph"] is True and "cudagraph_skip" not in n.meta
+    for name in comp:
+        assert by_name[name].cudagraph_owned_outputs == set(by_name[name].outputs)
+    for name in comm:
+        assert not getattr(by_name[name], "cudagraph_owned_outputs", None)
+
+
+def test_dropless_experts_skipped_with_reason(caplog):
+    model = _model("dropless")
+    with caplog.at_level(logging.INFO, logger="fxoverlap"), pytest.warns(UserWarning, match="cuda_graphs"):
+        engine, _, _ = _run(model, fxoverlap.OverlapConfig(cuda_graphs=True), _batches(3, 256))
+    comp = [s for s in engine.stages if s.stream is StreamKind.COMP]
+    experts = {s.name for s in comp if s.kind is StageKind.EXPERTS}
+    assert len(experts) == 2 * model.cfg.n_layers  # fwd and bwd of every MoE layer
+    marked = {n.meta["stage"] for n in _calls(engine.program) if n.meta.get("cudagraph")}
+    assert marked == {s.name for s in comp} - experts
+    nodes_of = {s.name: {n.name for n in s.graph_module.graph.nodes} for s in engine.stages}
+    for n in _calls(engine.program):
+        if n.meta["stage"] in experts:
+            reason = n.meta["cudagraph_skip"]
+            assert reason.startswith(f"stage {n.meta['stage']}: data-dependent shape at node ")
+            node = reason.split("at node ")[1].split(" ")[0]
+            assert node in nodes_of[n.meta["stage"]], reason
+    # Each skipped stage's reason is logged once, though it is called for 3 microbatches.
+    logged = [r.getMessage() for r in caplog.records if "not captured" in r.getMessage()]
+    skipped = {s.name for s in engine.stages} - marked
+    for name in skipped:
+        assert sum(f"stage {name}:" in m for m in logged) == 1, (name, logged)
+    assert all(r.levelno == logging.WARNING for r in caplog.records
+               if "not captured" in r.getMessage() and "data-dependent" in r.getMessage())
+
+
+def test_free_leaves_graph_owned_outputs():
+    model = _model("capacity")
+    with pytest.warns(UserWarning):
+        engine, _, _ = _run(model, fxoverlap.OverlapConfig(cuda_graphs=True), _batches(3, 256))
+    owned = set().union(*(getattr(s, "cudagraph_owned_outputs", set()) for s in engine.stages))
+    freed = set()
+    for n in engine.program.graph.nodes:
+        if n.op == "call_function" and n.target is program_ops.free:
+            freed.update(n.args[1:])
+    assert owned and freed, "expected both graph-owned outputs and frees"
+    assert not owned & freed, sorted(owned & freed)[:5]
+    # Without cuda_graphs the same values are freed: the pass is what keeps them.
+    plain, _, _ = _run(_model("capacity"), fxoverlap.OverlapConfig(), _batches(3, 256))
+    freed_plain = set()
+    for n in plain.program.graph.nodes:
+        if n.op == "call_function" and n.target is program_ops.free:
+            freed_plain.update(n.args[1:])
+    assert owned & freed_plain
+
+
+def test_pass_is_idempotent_and_keeps_code():
+    model = _model("capacity")
+    engine, _, _ = _run(model, fxoverlap.OverlapConfig(), _batches(2, 256))
+    code = engine.program.code
+    prog = cudagraph(engine.program, engine.stages)
+    marks = {n.name: (n.meta.get("cudagraph"), n.meta.get("cudagraph_skip")) for n in _calls(prog)}
+    prog = cudagraph(prog, engine.stages)
+    assert prog.code == code
+    assert marks == {n.name: (n.meta.get("cudagraph"), n.meta.get("cudagraph_skip")) for n in _calls(prog)}
+
+
+def _stage_of(fn, name="fwd_l0_attn") -> Stage:
+    gm = torch.fx.symbolic_trace(fn)
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return Stage(name, 0, StageKind.ATTN, Direction.FWD, StreamKind.COMP, gm, inputs, ["out"])
+
+
+def test_skip_reasons_mutation_and_views():
+    def mutates(x, y):
+        return torch.ops.aten.add_.Tensor(x, y)
+
+    def views(x):
+        return torch.ops.aten.t.default(torch.ops.aten.view.default(x, [4, 4]))
+
+    def computes(x):
+        return torch.ops.aten.mul.Tensor(x, 2)
+
+    r = skip_reason(_stage_of(mutates))
+    assert r is not None and "in-place op at node add_" in r and "aten.add_" in r
+    assert "only views" in skip_reason(_stage_of(views))
+    assert skip_reason(_stage_of(computes)) is None
+    s = _stage_of(computes)
+    s.capturable, s.not_capturable_reason = False, "host sync at node item (aten.item)"
+    assert skip_reason(s) == "stage fwd_l0_attn: host sync at node item (aten.item)"
+
+
+# ---------------------------------------------------------------- CPU: a no-op
+
+
+def test_cpu_noop_one_warning_bitwise():
+    mbs = _batches(3, 256)
+    _, ref_losses, ref_grads = _run(_model("capacity"), fxoverlap.OverlapConfig(), mbs)
+    model = _model("capacity")
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
+    with pytest.warns(UserWarning, match="no effect on cpu"):
+        losses = engine.forward_backward(mbs)
+    grads = _grads(model)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning is one-time
+        losses2 = engine.forward_backward(mbs)
+        out = engine(*mbs[0])
+    grads2 = _grads(model)
+    for ls in (losses, losses2):
+        assert all(torch.equal(a, b) for a, b in zip(ls, ref_losses))
+    for gs in (grads, grads2):
+        assert gs.keys() == ref_grads.keys()
+        assert all(torch.equal(gs[k], ref_grads[k]) for k in gs)
+    assert torch.equal(out, ref_losses[0])
+    engine.close()  # no graphs on CPU: a no-op
+    engine.close()
+
+
+# ---------------------------------------------------------------- runtime logic on a CPU stand-in
+
+
+class _Stream:
+    def __init__(self, backend, name):
+        self.backend, self.name = backend, name
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, ev):
+        self.backend.log.append(("wait", ev.id, self.name))
+
+    def __repr__(self):
+        return f"<stream {self.name}>"
+
+
+class _Event:
+    def __init__(self, backend):
+        self.backend = backend
+        self.id = len(backend.events)
+        backend.events.append(self)
+
+    def record(self, stream):
+        self.backend.log.append(("record", self.id, stream.name))
+
+
+class _Graph:
+    """Replays by recomputing and writing into the static outputs in place."""
+
+    def __init__(self, backend, fn, outs, pool):
+        self.backend, self.fn, self.outs, self.pool = backend, fn, outs, pool
+
+    def replay(self):
+        self.backend.log.append(("replay", id(self)))
+        new = self.fn()
+        for s, n in zip(self.outs, new):
+            if not isinstance(s, torch.Tensor):
+                continue
+            # Write the whole underlying storage, as the graph's kernels would (an output
+            # may be an expanded view, which copy_ cannot write). Views of parameters or
+            # of static inputs share the storage already.
+            ss, ns = s.untyped_storage(), n.untyped_storage()
+            if ss.data_ptr() != ns.data_ptr():
+                assert ss.nbytes() == ns.nbytes()
+                ss.copy_(ns)
+
+    def reset(self):
+        self.backend.resets += 1
+        self.fn = None
+
+
+class FakeCuda(cg.CudaBackend):
+    def __init__(self):
+        self.streams = {"comp": _Stream(self, "comp"), "comm": _Stream(self, "comm")}
+        self.cur = self.streams["comp"]
+        self.events, self.log, self.graphs, self.resets = [], [], [], 0
+
+    def current_stream(self, device):
+        return self.cur
+
+    def new_stream(self, device):
+        return _Stream(self, "side")
+
+    def stream(self, s):
+        return contextlib.nullcontext()
+
+    def new_event(self):
+        return _Event(self)
+
+    def synchronize(self, device):
+        pass
+
+    def pool_handle(self):
+        return object()
+
+    def capture(self, fn, pool):
+        outs = fn()
+        g = _Graph(self, fn, outs, pool)
+        self.graphs.append(g)
+        return g, outs
+
+    def empty_cache(self):
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Engines built inside get StageGraphs on a FakeCuda on CPU; the runner's stream
+    context switches the fake's current stream."""
+    backend = FakeCuda()
+    made: list[cg.StageGraphs] = []
+
+    def get(self, program, stages, capture, device):
+        if not self.enabled:
+            return None
+        sg = self._by_program.get(id(program))
+        if sg is None:
+            names = set(capture.param_placeholders) | set(capture.buffer_placeholders)
+            sg = self._by_program[id(program)] = cg.StageGraphs(program, stages, names, device, backend=backend)
+            made.append(sg)
+        return sg
+
+    @contextlib.contextmanager
+    def stream_ctx(self, stream):
+        prev, backend.cur = backend.cur, backend.streams[stream or "comp"]
+        try:
+            yield
+        finally:
+            backend.cur = prev
+
+    monkeypatch.setattr(cg.GraphCache, "get", get)
+    monkeypatch.setattr(ProgramRunner, "_stream_ctx", stream_ctx)
+    backend.made = made
+    return backend
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("routing", ["capacity", "dropless"])
+def test_replay_logic_bitwise(fake_cuda, routing, n):
+    mbs = _batches(n, 256, seed=n)
+    model = _model(routing)
+    _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(), mbs)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
+    for step in range(3):  # step 0 captures, later steps replay
+        losses = engine.forward_backward(mbs)
+        graph_storages = {o.untyped_storage().data_ptr() for g in fake_cuda.graphs for o in g.outs
+                          if isinstance(o, torch.Tensor)}
+        for p in model.parameters():
+            if p.grad is not None:
+                assert p.grad.untyped_storage().data_ptr() not in graph_storages, "p.grad aliases graph memory"
+        for loss in losses:
+            assert loss.untyped_storage().data_ptr() not in graph_storages, "a loss aliases graph memory"
+        grads = _grads(model)
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), (step, losses, ref_losses)
+        assert grads.keys() == ref_grads.keys()
+        bad = [k for k in grads if not torch.equal(grads[k], ref_grads[k])]
+        assert not bad, (step, bad)
+    (sg,) = fake_cuda.made
+    graphed = {n.meta["stage"] for n in _calls(engine.program) if n.meta.get("cudagraph")}
+    assert sg.copies == (1 if n == 1 else 2)
+    assert sg.summary()["graphs"] == len(graphed) * min(n, 2) == len(fake_cuda.graphs)
+    assert sg.summary()["eager_fallbacks"] == {}
+    assert all(sg.shared_pool.values())
+    # Graphs of one copy share a pool; the two copies do not.
+    pools = {}
+    for (name, copy), g in sg._graphs.items():
+        pools.setdefault(copy, set()).add(id(g.graph.pool))
+    assert all(len(p) == 1 for p in pools.values())
+    assert len({next(iter(p)) for p in pools.values()}) == len(pools)
+    # Values passed from graph to graph of the same microbatch are read in place.
+    kinds = [k for g in sg._graphs.values() for k in g.kinds]
+    assert kinds.count("shared") > 0 and kinds.count("copy") > 0
+    replays = sum(1 for e in fake_cuda.log if e[0] == "replay")
+    assert replays == 3 * n * len(graphed)
+    engine.close()
+    assert fake_cuda.resets == len(fake_cuda.graphs)
+    assert sg.summary()["graphs"] == 0
+
+
+def test_one_copy_would_corrupt(fake_cuda, monkeypatch):
+    """With a single copy per stage, F(i+1) overwrites what B(i) still needs."""
+    mbs = _batches(3, 256, seed=7)
+    model = _model("capacity")
+    _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(), mbs)
+    monkeypatch.setattr(cg, "in_flight_depth", lambda program: 1)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
+    engine.forward_backward(mbs)
+    grads = _grads(model)
+    assert any(not torch.equal(grads[k], ref_grads[k]) for k in grads)
+
+
+def test_in_flight_depth_of_schedule():
+    model = _model("capacity")
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(delay_wgrad=True))
+    for n in (1, 2, 3, 4, 6):
+        engine.forward_backward(_batches(n, 256))
+        assert cg.in_flight_depth(engine.program) == (1 if n == 1 else 2), n
+
+
+def test_cross_stream_readers_delay_next_replay(fake_cuda):
+    """An eager comm stage that reads a graph's static output records an event after
+    it; the next replay of a graph of that copy waits on it on its own stream."""
+    mbs = _batches(4, 256, seed=3)
+    model = _model("capacity")
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
+    engine.forward_backward(mbs)
+    engine.forward_backward(mbs)
+    log = fake_cuda.log
+    recorded = [(i, e[1]) for i, e in enumerate(log) if e[0] == "record"]
+    assert recorded and all(log[i][2] == "comm" for i, _ in recorded)
+    waited = {e[1]: i for i, e in enumerate(log) if e[0] == "wait"}
+    assert all(log[i][2] == "comp" for i in waited.values())
+    # Every reader event but the very last ones (no later replay of their copy) is
+    # waited on, after it was recorded, before a later replay.
+    assert len(waited) >= len(recorded) - 2 * 2
+    for i, ev in recorded:
+        if ev in waited:
+            j = waited[ev]
+            assert j > i and any(e[0] == "replay" for e in log[j:])
+
+
+def test_delay_wgrad_and_mhc_replay_bitwise(fake_cuda):
+    mbs = _batches(4, 256, seed=11)
+    model = _model("capacity", mhc_rate=4, mtp=True)
+    cfg = dict(delay_wgrad=True, mhc_recompute_group=1)
+    _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(**cfg), mbs)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True, **cfg))
+    for _ in range(2):
+        losses = engine.forward_backward(mbs)
+        grads = _grads(model)
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+        assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    (sg,) = fake_cuda.made
+    assert sg.copies == 2 and not sg.eager
+
+
+def test_pool_per_graph_where_replay_order_differs(fake_cuda, caplog):
+    """Delayed weight-grad stages run in another order in the last microbatch's
+    backward than in the merged steps: that copy gets one pool per graph (logged)."""
+    mbs = _batches(3, 256, seed=5)
+    model = _model("capacity")
+    _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(delay_wgrad=True), mbs)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True, delay_wgrad=True))
+    with caplog.at_level(logging.INFO, logger="fxoverlap"):
+        for _ in range(2):
+            losses = engine.forward_backward(mbs)
+            grads = _grads(model)
+            assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+            assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    (sg,) = fake_cuda.made
+    assert sg.shared_pool == {0: False, 1: True}
+    assert any("copy 0 uses one memory pool per graph" in r.getMessage() and "microbatch 2" in r.getMessage()
+               for r in caplog.records)
+    pools0 = [g.graph.pool for (name, c), g in sg._graphs.items() if c == 0]
+    assert pools0 and all(p is None for p in pools0)  # None: a private pool of its own
