@@ -114,3 +114,20 @@ def forward_only(rank: int, world: int) -> dict:
     with torch.no_grad():
         logits_ref, loss_ref = model(tokens), model(tokens, labels)
     return dict(logits_equal=torch.equal(engine(tokens), logits_ref), loss_equal=torch.equal(engine(tokens, labels), loss_ref))
+
+
+def world_generic(rank: int, world: int) -> dict:
+    """Any EP size that divides the expert count: dropless + capacity, 3 microbatches."""
+    out = {}
+    for routing in ("dropless", "capacity"):
+        torch.manual_seed(0)
+        cfg = MoEConfig.tiny(routing=routing, shared_expert_dim=32)
+        model = MoETransformer(cfg, dist.group.WORLD)
+        mbs = make_batches(rank, cfg.vocab_size, 3)
+        ref_losses, ref = eager_grads(model, mbs)
+        losses = fxoverlap.optimize(model, dist.group.WORLD).forward_backward(mbs)
+        diff, scale, bitwise = grad_diff(model, ref)
+        out[routing] = dict(losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
+                            diff=diff, scale=scale, bitwise=bitwise,
+                            local_experts=model.layers[0].moe.experts.w1.shape[0])
+    return out

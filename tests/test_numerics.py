@@ -92,3 +92,11 @@ def test_torchtitan_style_model():
 def test_forward_only_call():
     for r in _run("forward_only"):
         assert r["logits_equal"] and r["loss_equal"], r
+
+
+def test_four_ranks():
+    """Nothing assumes EP = 2: four gloo ranks, 2 local experts each."""
+    for r in run_distributed(cases.world_generic, world_size=4):
+        for routing, row in r.items():
+            assert row["losses_equal"] and _ok(row) and row["bitwise"], (routing, row)
+            assert row["local_experts"] == 2
