@@ -81,7 +81,7 @@ import torch.nn as nn
 from fxoverlap import program_ops
 from fxoverlap.passes.capture import CHILD_KEY, Capture, capture
 from fxoverlap.passes.schedule import StageCall
-from fxoverlap.passes.split import build_stage_module, split
+from fxoverlap.passes.split import build_stage_module, split, stage_boundary
 from fxoverlap.passes.streams import streams
 from fxoverlap.passes.tag import TAG_KEY, tag
 from fxoverlap.region import LAYER_KEY
@@ -275,15 +275,7 @@ class _GraphStep(nn.Module):
 
 
 def _sub_stage(gm: torch.fx.GraphModule, parent: Stage, nodes: list[torch.fx.Node], name: str) -> Stage:
-    members = set(nodes)
-    inputs: list[str] = []
-    outputs: list[str] = []
-    for n in nodes:
-        for p in n.all_input_nodes:
-            if p not in members and p.name not in inputs:
-                inputs.append(p.name)
-        if any(u not in members for u in n.users):
-            outputs.append(n.name)
+    inputs, outputs = stage_boundary(nodes)
     return Stage(
         name=name, layer=parent.layer, kind=parent.kind, direction=parent.direction, stream=parent.stream,
         graph_module=build_stage_module(gm, nodes, inputs, outputs, name), inputs=inputs, outputs=outputs,

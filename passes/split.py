@@ -53,6 +53,20 @@ def _copy_attr(src: nn.Module, dst: nn.Module, target: str) -> None:
         setattr(dst, leaf, val)
 
 
+def stage_boundary(nodes: list[torch.fx.Node]) -> tuple[list[str], list[str]]:
+    """Names of the values ``nodes`` read from outside, and of those they hand out."""
+    members = set(nodes)
+    inputs: list[str] = []
+    outputs: list[str] = []
+    for n in nodes:
+        for p in n.all_input_nodes:
+            if p not in members and p.name not in inputs:
+                inputs.append(p.name)
+        if any(u not in members for u in n.users):
+            outputs.append(n.name)
+    return inputs, outputs
+
+
 def build_stage_module(
     gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], inputs: list[str], outputs: list[str], name: str
 ) -> torch.fx.GraphModule:
@@ -107,15 +121,7 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
     stages = []
     for t, is_wgrad in sorted(groups, key=lambda k: (k[0].sort_key(num_layers), k[1])):
         nodes = groups[(t, is_wgrad)]
-        members = set(nodes)
-        inputs: list[str] = []
-        outputs: list[str] = []
-        for n in nodes:
-            for p in n.all_input_nodes:
-                if p not in members and p.name not in inputs:
-                    inputs.append(p.name)
-            if any(u not in members for u in n.users):
-                outputs.append(n.name)
+        inputs, outputs = stage_boundary(nodes)
         name = stage_name(t, "_wgrad" if is_wgrad else "")
         stage = Stage(
             name=name,

@@ -27,6 +27,7 @@ from fxoverlap.passes.streams import streams
 from fxoverlap.runtime import ProgramRunner, live_bytes, seed_tangent, static_storage_keys, static_values
 from fxoverlap.stage import Direction
 from fxoverlap.testing import grad_diff, run_distributed
+from numerics_cases import eager_grads
 
 CFG = MoEConfig.tiny(n_layers=2, dim=32, n_heads=2, n_experts=4, expert_dim=16)
 PINNED = torch.__version__.startswith("2.13")
@@ -41,17 +42,6 @@ def _model_and_batches(rank: int, ep_group, n_mb: int):
         for _ in range(n_mb)
     ]
     return model, mbs
-
-
-def _eager(model, mbs):
-    losses = []
-    for mb in mbs:
-        loss = model(*mb)
-        loss.backward()
-        losses.append(loss.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return losses, grads
 
 
 def _capture_of(engine):
@@ -133,7 +123,7 @@ def stage_bytes(stages, capture, model, mbs) -> tuple[int, int, str]:
 def _distributed_checks(rank: int, world_size: int, n_mb: int) -> dict:
     group = dist.group.WORLD
     model, mbs = _model_and_batches(rank, group, n_mb)
-    ref_losses, ref_grads = _eager(model, mbs)
+    ref_losses, ref_grads = eager_grads(model, mbs)
     engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(record_memory=True))
     out = {}
 
