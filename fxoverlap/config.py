@@ -14,11 +14,18 @@ class OverlapConfig:
             (e.g. ``"layers"``). ``None``: the largest ``nn.ModuleList`` /
             ``nn.ModuleDict`` in the model.
         comm_stream_priority: CUDA priority of the communication stream; lower
-            numbers are higher priority (-1 is high on current GPUs).
+            numbers are higher priority (-1 is high on current GPUs). NCCL runs its
+            own kernels on an internal stream: give that one priority with
+            ``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` when creating
+            the EP group (``python -m fxoverlap.bench`` does; see docs/benchmarks.md).
         delay_wgrad: split backward expert stages into input-grad and weight-grad
             parts and run the weight-grad part after the comm slot it can fill.
         free_early: insert early-free nodes so each value is dropped at its last use.
-        cuda_graphs: run capturable compute stages as CUDA graphs (GPU only).
+        cuda_graphs: run capturable compute stages as CUDA graphs (GPU only; a
+            warning and no-op on CPU). Each graphed stage keeps two static copies of
+            its outputs (two microbatches in flight), so it pays for small,
+            host-bound shapes; call ``engine.close()`` before destroying the
+            process group.
         mhc_recompute_group: with mHC layers, replay the hyper-connection forward
             of each group of this many layers before the group's backward instead
             of saving its activations. ``None``: recompute off.
