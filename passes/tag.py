@@ -127,7 +127,6 @@ def _closure(seeds: set[torch.fx.Node], nodes: list[torch.fx.Node]) -> set[torch
                 continue
             if n.all_input_nodes and all(p in out for p in n.all_input_nodes) and (
                 op_name(n) in _WAIT_TARGETS or n.target is operator.getitem
-                or op_name(n) == "aten.sym_size.int"
             ):
                 out.add(n)
                 changed = True
