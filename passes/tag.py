@@ -252,11 +252,22 @@ def tag(capture: Capture) -> torch.fx.GraphModule:
         else:
             tags[n] = None  # between two layers: joins its producer's stage below
 
-    # Backward nodes: the tag of the forward op that created their autograd node.
+    # Backward nodes: the tag of the forward op that created their autograd node:
+    # the first forward node with that seq_nr, unless a differentiable all-to-all
+    # shares it (an autograd.Function whose forward copies its input before the
+    # collective, as some releases trace functional collectives): then the backward
+    # belongs with the communication, not with the copy.
     owner: dict[int, torch.fx.Node] = {}
     for n in fwd:
         seq = n.meta.get("seq_nr")
-        if seq is not None and n.op == "call_function" and seq not in owner:
+        if seq is None or n.op != "call_function":
+            continue
+        if seq not in owner:
+            owner[seq] = n
+        elif (
+            _is_differentiable_comm(n, tags)
+            and not _is_differentiable_comm(owner[seq], tags)
+        ):
             owner[seq] = n
     for n in nodes:
         if _direction(n) is not Direction.BWD:
@@ -265,6 +276,15 @@ def tag(capture: Capture) -> torch.fx.GraphModule:
         ft = tags.get(f) if f is not None else None
         tags[n] = Tag(Direction.BWD, ft.layer, ft.kind) if ft is not None else None
     return _finish(gm, tags, num_layers)
+
+
+def _is_differentiable_comm(node: torch.fx.Node, tags: dict) -> bool:
+    t = tags.get(node)
+    val = node.meta.get("val")
+    return (
+        t is not None and t.kind in (StageKind.DISPATCH, StageKind.COMBINE) and _comm_kind(node) is not None
+        and isinstance(val, torch.Tensor) and val.is_floating_point()
+    )
 
 
 def _finish(gm: torch.fx.GraphModule, tags: dict, num_layers: int) -> torch.fx.GraphModule:

@@ -131,3 +131,33 @@ def world_generic(rank: int, world: int) -> dict:
                             diff=diff, scale=scale, bitwise=bitwise,
                             local_experts=model.layers[0].moe.experts.w1.shape[0])
     return out
+
+
+def titan_shared_seq_nr(rank: int, world: int) -> dict:
+    """Tagging when a forward all-to-all shares its seq_nr with the copy before it (as an
+    autograd.Function that copies, then communicates, is traced): the backward
+    all-to-alls must still land in comm stages, and numerics stay exact."""
+    from titan_models import TitanTransformer
+
+    from fxoverlap.passes.tag import op_name
+    from fxoverlap.runtime import run_plain
+
+    torch.manual_seed(0)
+    model = TitanTransformer(dist.group.WORLD)
+    mbs = make_batches(rank, 64, 1)
+    ref_losses, ref = eager_grads(model, mbs)
+    cap = capture(model, mbs[0])
+    nodes = list(cap.graph_module.graph.nodes)
+    moved = 0
+    for i, n in enumerate(nodes):
+        if n.meta.get("partitioner_tag") == "is_forward" and op_name(n).endswith("all_to_all_single"):
+            prev = nodes[i - 1]
+            if prev.op == "call_function" and prev.meta.get("seq_nr") is not None:
+                prev.meta["seq_nr"] = n.meta["seq_nr"]  # the copy now "creates" the a2a's autograd node
+                moved += 1
+    stages = split(tag(cap), cap.num_layers)
+    loss = run_plain(stages, cap, model, mbs[0])
+    diff, scale, bitwise = grad_diff(model, ref)
+    comm_ops = {s.name: [o for o in s.op_list() if o.endswith("all_to_all_single")] for s in stages}
+    return dict(moved=moved, loss_equal=torch.equal(loss, ref_losses[0]), diff=diff, scale=scale, bitwise=bitwise,
+                misplaced={k: v for k, v in comm_ops.items() if v and not k.endswith(("dispatch", "combine"))})

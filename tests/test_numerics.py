@@ -100,3 +100,10 @@ def test_four_ranks():
         for routing, row in r.items():
             assert row["losses_equal"] and _ok(row) and row["bitwise"], (routing, row)
             assert row["local_experts"] == 2
+
+
+def test_backward_all_to_all_tagging_survives_shared_seq_nr():
+    for r in _run("titan_shared_seq_nr"):
+        assert r["moved"] >= 4, r  # 2 layers x (dispatch, combine)
+        assert r["misplaced"] == {}, r
+        assert r["loss_equal"] and _ok(r) and r["bitwise"], r
