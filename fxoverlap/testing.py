@@ -61,3 +61,25 @@ def grad_diff(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> tuple[flo
         scale = max(scale, r.abs().max().item())
         bitwise &= torch.equal(p.grad, r)
     return worst, scale, bitwise
+
+
+def take_grads(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Copies of ``model``'s gradients (cast to ``dtype`` if given); the model's are then cleared."""
+    grads = {
+        k: (p.grad.detach().to(dtype) if dtype is not None else p.grad.detach()).clone()
+        for k, p in model.named_parameters() if p.grad is not None
+    }
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def rel_l2(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest per-parameter ``‖got - ref‖ / ‖ref‖`` and its parameter (inf if the sets differ)."""
+    if ref.keys() != got.keys():
+        return float("inf"), f"gradient sets differ: {sorted(ref.keys() ^ got.keys())[:3]}"
+    worst, name = 0.0, ""
+    for k in ref:
+        d = ((got[k].float() - ref[k].float()).norm() / ref[k].float().norm().clamp_min(1e-30)).item()
+        if d > worst:
+            worst, name = d, k
+    return worst, name

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.testing import rel_l2, take_grads
 
 
 def _batches(cfg, n, mbs, seq, device, seed=0):
@@ -44,18 +45,7 @@ def _eager(model, batches):
         loss = model(*mb)
         loss.backward()
         losses.append(loss.detach().float())
-    grads = {k: p.grad.detach().float().clone() for k, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return losses, grads
-
-
-def _rel(a: dict, b: dict) -> tuple[float, str]:
-    worst, name = 0.0, ""
-    for k in a:
-        d = ((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30)).item()
-        if d > worst:
-            worst, name = d, k
-    return worst, name
+    return losses, take_grads(model, torch.float32)
 
 
 def _model(cfg, device, dtype):
@@ -106,9 +96,9 @@ def check_numerics(device, emit, small=False):
         l2, g2 = _eager(model, batches)
         engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(delay_wgrad=True))
         losses = [x.float() for x in engine.forward_backward(batches)]
-        gf = {k: p.grad.detach().float().clone() for k, p in model.named_parameters() if p.grad is not None}
-        noise, _ = _rel(g1, g2)
-        err, worst = _rel(g1, gf)
+        gf = take_grads(model, torch.float32)
+        noise, _ = rel_l2(g1, g2)
+        err, worst = rel_l2(g1, gf)
         tol = max(4 * noise, 2.0 ** -7)
         loss_err = max(abs(a - b).item() / abs(a).item() for a, b in zip(l1, losses))
         emit(dict(check="numerics_bf16", routing=routing, eager_noise_rel_l2=noise, fx_rel_l2=err, worst_param=worst,

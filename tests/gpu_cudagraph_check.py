@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.testing import rel_l2, take_grads
 
 SHAPE = dict(dim=1024, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=512, shared_expert_dim=512,
              vocab_size=8192, max_seq_len=1024, routing="capacity")
@@ -59,9 +60,7 @@ def _batches(cfg, device, seed=0):
 
 
 def _grads(model):
-    out = {k: p.grad.detach().float().clone() for k, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out
+    return take_grads(model, torch.float32)
 
 
 def _eager(model, batches):
@@ -71,17 +70,6 @@ def _eager(model, batches):
         loss.backward()
         losses.append(loss.detach().float())
     return losses
-
-
-def _rel(ref: dict, got: dict) -> tuple[float, str]:
-    if ref.keys() != got.keys():
-        return float("inf"), f"gradient sets differ: {sorted(ref.keys() ^ got.keys())[:3]}"
-    worst, name = 0.0, ""
-    for k in ref:
-        d = ((ref[k] - got[k]).norm() / ref[k].norm().clamp_min(1e-30)).item()
-        if d > worst:
-            worst, name = d, k
-    return worst, name
 
 
 def _loss_err(ref, got) -> float:
@@ -114,7 +102,7 @@ def run_variant(name, cfg, model, batches, ref_losses, ref_grads, tol, extra, en
     r: dict = {"variant": name, "config": extra}
     l_off = off.forward_backward(batches)
     g_off = _grads(model)
-    r["off_rel_l2"], _ = _rel(ref_grads, g_off)
+    r["off_rel_l2"], _ = rel_l2(ref_grads, g_off)
     r["off_loss_rel_err"] = _loss_err(ref_losses, l_off)
     steps = []
     bitwise = True
@@ -124,7 +112,7 @@ def run_variant(name, cfg, model, batches, ref_losses, ref_grads, tol, extra, en
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         g_on = _grads(model)
-        err, worst = _rel(ref_grads, g_on)
+        err, worst = rel_l2(ref_grads, g_on)
         steps.append(dict(step=step, wall_s=round(wall, 3), rel_l2=err, worst_param=worst,
                           loss_rel_err=_loss_err(ref_losses, l_on)))
         bitwise &= all(torch.equal(g_off[k], g_on[k]) for k in g_off) and all(
@@ -192,7 +180,7 @@ def main() -> int:
     ref_losses = _eager(model, batches)
     ref_grads = _grads(model)
     _eager(model, batches)
-    noise, _ = _rel(ref_grads, _grads(model))
+    noise, _ = rel_l2(ref_grads, _grads(model))
     tol = max(4 * noise, 2.0 ** -7)
     eager_ms, eager_peak = _time_step(lambda: _eager(model, batches), model)
 

@@ -9,7 +9,7 @@ import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.runtime import run_plain
-from fxoverlap.testing import grad_diff
+from fxoverlap.testing import grad_diff, take_grads
 
 
 def make_batches(rank: int, vocab: int, n: int, seed: int = 0, batch=(2, 16)):
@@ -27,9 +27,7 @@ def eager_grads(model, mbs, rounds: int = 1):
             loss = model(*mb)
             loss.backward()
             losses.append(loss.detach())
-    ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return losses, ref
+    return losses, take_grads(model)
 
 
 def stagewise(rank: int, world: int, configs: list[dict]) -> list[dict]:
