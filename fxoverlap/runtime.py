@@ -190,7 +190,6 @@ class ProgramRunner:
         stores.clear()
         return losses
 
-
     def _timed(self, name: str, stage: Stage, args: list) -> tuple:
         import time
 
