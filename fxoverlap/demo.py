@@ -16,7 +16,7 @@ import torch.distributed as dist
 import fxoverlap
 from fxoverlap.engine import format_stage_table
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.testing import grad_diff, run_distributed
+from fxoverlap.testing import eager_steps, grad_diff, run_distributed, take_grads
 
 
 def _rank_main(rank: int, world: int, microbatches: int, routing: str) -> dict:
@@ -29,14 +29,9 @@ def _rank_main(rank: int, world: int, microbatches: int, routing: str) -> dict:
         for _ in range(microbatches)
     ]
     t0 = time.perf_counter()
-    ref_losses = []
-    for mb in mbs:
-        loss = model(*mb)
-        loss.backward()
-        ref_losses.append(loss.detach())
+    ref_losses = eager_steps(model, mbs)
     eager_s = time.perf_counter() - t0
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    ref = take_grads(model)
 
     engine = fxoverlap.optimize(model, dist.group.WORLD)
     t0 = time.perf_counter()

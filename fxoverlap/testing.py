@@ -63,6 +63,17 @@ def grad_diff(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> tuple[flo
     return worst, scale, bitwise
 
 
+def eager_steps(model: torch.nn.Module, microbatches, rounds: int = 1) -> list[torch.Tensor]:
+    """The eager reference: ``loss = model(*mb); loss.backward()`` per microbatch; detached losses."""
+    losses = []
+    for _ in range(rounds):
+        for mb in microbatches:
+            loss = model(*mb)
+            loss.backward()
+            losses.append(loss.detach())
+    return losses
+
+
 def take_grads(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Copies of ``model``'s gradients (cast to ``dtype`` if given); the model's are then cleared."""
     grads = {

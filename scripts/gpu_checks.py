@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.testing import rel_l2, take_grads
+from fxoverlap.testing import eager_steps, rel_l2, take_grads
 
 
 def _batches(cfg, n, mbs, seq, device, seed=0):
@@ -40,12 +40,7 @@ def _batches(cfg, n, mbs, seq, device, seed=0):
 
 
 def _eager(model, batches):
-    losses = []
-    for mb in batches:
-        loss = model(*mb)
-        loss.backward()
-        losses.append(loss.detach().float())
-    return losses, take_grads(model, torch.float32)
+    return [x.float() for x in eager_steps(model, batches)], take_grads(model, torch.float32)
 
 
 def _model(cfg, device, dtype):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.testing import rel_l2, take_grads
+from fxoverlap.testing import eager_steps, rel_l2, take_grads
 
 SHAPE = dict(dim=1024, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=512, shared_expert_dim=512,
              vocab_size=8192, max_seq_len=1024, routing="capacity")
@@ -64,12 +64,7 @@ def _grads(model):
 
 
 def _eager(model, batches):
-    losses = []
-    for mb in batches:
-        loss = model(*mb)
-        loss.backward()
-        losses.append(loss.detach().float())
-    return losses
+    return [x.float() for x in eager_steps(model, batches)]
 
 
 def _loss_err(ref, got) -> float:

@@ -9,7 +9,7 @@ import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.runtime import run_plain
-from fxoverlap.testing import grad_diff, take_grads
+from fxoverlap.testing import eager_steps, grad_diff, take_grads
 
 
 def make_batches(rank: int, vocab: int, n: int, seed: int = 0, batch=(2, 16)):
@@ -21,13 +21,7 @@ def make_batches(rank: int, vocab: int, n: int, seed: int = 0, batch=(2, 16)):
 
 
 def eager_grads(model, mbs, rounds: int = 1):
-    losses = []
-    for _ in range(rounds):
-        for mb in mbs:
-            loss = model(*mb)
-            loss.backward()
-            losses.append(loss.detach())
-    return losses, take_grads(model)
+    return eager_steps(model, mbs, rounds), take_grads(model)
 
 
 def stagewise(rank: int, world: int, configs: list[dict]) -> list[dict]:
