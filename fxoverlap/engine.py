@@ -14,6 +14,8 @@ import torch.nn as nn
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.passes.capture import Capture, capture, input_signature
+from fxoverlap.passes.cudagraph import cudagraph
+from fxoverlap.passes.free import free
 from fxoverlap.passes.recompute import recompute
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.split import split
@@ -87,12 +89,8 @@ class Engine:
             prog = schedule(plan.stages, n, plan.capture.num_layers)
             prog = streams(prog, plan.stages)
             if self.config.cuda_graphs:  # before free: free leaves graph-owned outputs alone
-                from fxoverlap.passes.cudagraph import cudagraph
-
                 prog = cudagraph(prog, plan.stages)
             if self.config.free_early:
-                from fxoverlap.passes.free import free
-
                 prog = free(prog, plan.stages, plan.capture)
             plan.programs[n] = prog
         return prog
@@ -121,12 +119,7 @@ class Engine:
         plan = self._build(mbs[0], loss_fn)
         prog = self._program(plan, len(mbs))
         self._last = (plan, len(mbs))
-        runner = ProgramRunner(
-            prog, plan.stages, plan.capture, self.model, self._device(),
-            comm_stream_priority=self.config.comm_stream_priority,
-            record_memory=self.config.record_memory,
-            cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, self._device()),
-        )
+        runner = self._runner(plan, prog, record_memory=self.config.record_memory)
         losses = runner.run(mbs, on_error=self._abort_group)
         self.memory_trace = runner.memory_trace
         return losses
@@ -135,10 +128,15 @@ class Engine:
         """Forward only, through the forward stage graphs; returns the model's output."""
         plan = self._build(inputs, None, train=False)
         prog = self._program(plan, 1)
-        runner = ProgramRunner(prog, plan.stages, plan.capture, self.model, self._device(),
-                               comm_stream_priority=self.config.comm_stream_priority,
-                               cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, self._device()))
-        return runner.run([inputs], on_error=self._abort_group)[0]
+        return self._runner(plan, prog).run([inputs], on_error=self._abort_group)[0]
+
+    def _runner(self, plan: Plan, prog: torch.fx.GraphModule, **kw) -> ProgramRunner:
+        device = self._device()
+        return ProgramRunner(
+            prog, plan.stages, plan.capture, self.model, device,
+            comm_stream_priority=self.config.comm_stream_priority,
+            cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, device), **kw,
+        )
 
     def close(self) -> None:
         """Release the CUDA graphs this engine captured (and their memory pools).
