@@ -117,7 +117,6 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
                     wset = set(w)
                     groups[(t, False)] = [n for n in nodes if n not in wset]
                     groups[(t, True)] = w
-    owner = {n: t for t, ns in groups.items() for n in ns}
     stages = []
     for t, is_wgrad in sorted(groups, key=lambda k: (k[0].sort_key(num_layers), k[1])):
         nodes = groups[(t, is_wgrad)]
@@ -146,15 +145,16 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
         if stage.stream is StreamKind.COMM:
             stage.capturable, stage.not_capturable_reason = False, "communication stage"
         stages.append(stage)
-    _check_order(stages, owner)
+    _check_order(stages)
     return stages
 
 
-def _check_order(stages: list[Stage], owner: dict) -> None:
+def _check_order(stages: list[Stage]) -> None:
+    producer = {o: st for st in stages for o in st.outputs}
     produced: set[str] = set()
     for s in stages:
         for i in s.inputs:
-            node_stage = next((st for st in stages if i in st.outputs), None)
+            node_stage = producer.get(i)
             if node_stage is not None and i not in produced:
                 raise AssertionError(
                     f"split: stage {s.name} reads {i} from {node_stage.name}, which runs later; "
