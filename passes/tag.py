@@ -92,14 +92,15 @@ def _comm_kind(node: torch.fx.Node) -> str | None:
     return None
 
 
-def _reach(start: set[torch.fx.Node], graph: torch.fx.Graph, *, block_scalars: bool) -> dict[torch.fx.Node, set]:
-    """Forward reachability: for each node, which ``start`` nodes reach it."""
+def _reach(start: set[torch.fx.Node], graph: torch.fx.Graph) -> dict[torch.fx.Node, set]:
+    """For each node, the ``start`` nodes that reach it through data; a host-side
+    scalar (``.item()``/``.tolist()``) passes nothing on."""
     reach: dict[torch.fx.Node, set] = {}
     for n in graph.nodes:
         acc = {n} if n in start else set()
-        if not (block_scalars and is_host_sync(n)):
+        if not is_host_sync(n):
             for p in n.all_input_nodes:
-                acc |= reach.get(p, set()) if not (block_scalars and is_host_sync(p)) else set()
+                acc |= reach.get(p, set())
         if acc:
             reach[n] = acc
     return reach
@@ -156,7 +157,7 @@ def _tag_layer_forward(layer: int, nodes: list[torch.fx.Node], capture: Capture)
     unknown = [n for n, k in comm.items() if k == "a2a"]
     if unknown:
         known_comm = set(comm)
-        reach = _reach(known_comm, nodes[0].graph, block_scalars=True)
+        reach = _reach(known_comm, nodes[0].graph)
         for n in unknown:
             data_in = set()
             for p in n.all_input_nodes:
