@@ -97,7 +97,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     shape.add_argument("--seq", type=int, help="sequence length (default 4096; 32 with --tiny)")
     shape.add_argument("--microbatches", type=int, help="default 8; 3 with --tiny")
     shape.add_argument("--micro-batch-size", type=int, help="sequences per microbatch (default 1; 2 with --tiny)")
-    shape.add_argument("--routing", choices=("dropless", "capacity"))
+    shape.add_argument("--routing", choices=("dropless", "capacity", "dedup"),
+                       help="dedup: dropless, each token sent once per destination rank (MoEConfig.token_dedup)")
     shape.add_argument("--capacity-factor", type=float)
     run = p.add_argument_group("run")
     run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -170,6 +171,8 @@ def model_config(args: argparse.Namespace) -> MoEConfig:
         "top_k": args.top_k, "expert_dim": args.expert_dim, "shared_expert_dim": args.shared_expert_dim,
         "vocab_size": args.vocab, "routing": args.routing, "capacity_factor": args.capacity_factor,
     }
+    if args.routing == "dedup":
+        over.update(routing="dropless", token_dedup=True)
     over = {k: v for k, v in over.items() if v is not None}
     cfg = MoEConfig.tiny(**over) if args.tiny else MoEConfig.benchmark(**over)
     if cfg.max_seq_len < args.seq:
@@ -638,7 +641,7 @@ class Bench:
         c = self.cfg
         return (f"fxoverlap one step: {self.world} ranks, {c.n_layers} layers, dim {c.dim}, {c.n_experts} experts "
                 f"top-{c.top_k}, seq {self.args.seq}x{self.args.micro_batch_size}, {self.args.microbatches} microbatches, "
-                f"{c.routing}, {os.environ.get('NCCL_P2P_DISABLE') and 'P2P off' or 'P2P default'}")
+                f"{c.routing}{' (token dedup)' if c.token_dedup else ''}, {os.environ.get('NCCL_P2P_DISABLE') and 'P2P off' or 'P2P default'}")
 
     def write(self) -> None:
         if self.rank != 0:

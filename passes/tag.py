@@ -79,9 +79,9 @@ def _comm_kind(node: torch.fx.Node) -> str | None:
     if region in ("dispatch", "combine"):
         return region
     name = op_name(node)
-    if name == "fxoverlap.dispatch":
+    if name in ("fxoverlap.dispatch", "fxoverlap.token_dispatch"):
         return "dispatch"
-    if name == "fxoverlap.combine":
+    if name in ("fxoverlap.combine", "fxoverlap.token_combine"):
         return "combine"
     if name.replace(".", "::", 1) in DEEPEP_DISPATCH_OPS:
         return "dispatch"

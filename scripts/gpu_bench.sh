@@ -12,7 +12,9 @@
 # 0.19.2 needs torch, numpy, packaging and triton at import; the GPU image has them.
 #
 # For each regime in $REGIMES (nvlink; p2poff = NCCL_P2P_DISABLE=1, which emulates
-# inter-node bandwidth) and each routing in $ROUTINGS (dropless; capacity = factor 1.0):
+# inter-node bandwidth) and each routing in $ROUTINGS (dropless; capacity = factor 1.0;
+# dedup = dropless with each token sent once per rank, which the peer has no
+# counterpart for, so its peer steps are skipped):
 #   [small shape, see SMALL]     python -m fxoverlap.bench (eager + fxoverlap)
 #   the peer's shape             python -m fxoverlap.bench (eager + fxoverlap)
 #   the peer, PEER=1             peer_megatron.py --overlap 0, then --overlap 1
@@ -114,7 +116,8 @@ for regime in $REGIMES; do
         case $routing in
             dropless) ours_r="--routing dropless"; peer_r="" ;;
             capacity) ours_r="--routing capacity --capacity-factor 1.0"; peer_r="--capacity-factor 1.0" ;;
-            *) say "unknown routing $routing (dropless, capacity)"; continue ;;
+            dedup) ours_r="--routing dedup"; peer_r="SKIP" ;;
+            *) say "unknown routing $routing (dropless, capacity, dedup)"; continue ;;
         esac
         tag="${regime}_${routing}"
         if [ "$SMALL" = 1 ] || [[ " $SMALL " == *" $regime "* ]]; then
@@ -123,7 +126,7 @@ for regime in $REGIMES; do
         fi
         step "fx_$tag" "${TORCHRUN[@]}" -m fxoverlap.bench $ours_r --warmup "$WARMUP" --iters "$ITERS" \
             --stage-reps "$STAGE_REPS" --out "$WORK" --name "fx_$tag" $BENCH_ARGS
-        if [ "$PEER" = 1 ]; then
+        if [ "$PEER" = 1 ] && [ "$peer_r" != SKIP ]; then
             for ov in 0 1; do
                 PYTHONPATH="$PEER_SITE${PYTHONPATH:+:$PYTHONPATH}" step "peer_${tag}_overlap$ov" \
                     "${TORCHRUN[@]}" "$PEER_DIR/peer_megatron.py" --overlap $ov --warmup "$WARMUP" --iters "$ITERS" $peer_r

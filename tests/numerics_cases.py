@@ -111,9 +111,10 @@ def forward_only(rank: int, world: int) -> dict:
 def world_generic(rank: int, world: int) -> dict:
     """Any EP size that divides the expert count: dropless + capacity, 3 microbatches."""
     out = {}
-    for routing in ("dropless", "capacity"):
+    for routing in ("dropless", "capacity", "dedup"):
         torch.manual_seed(0)
-        cfg = MoEConfig.tiny(routing=routing, shared_expert_dim=32)
+        kw = dict(token_dedup=True, top_k=3) if routing == "dedup" else dict(routing=routing)
+        cfg = MoEConfig.tiny(shared_expert_dim=32, **kw)
         model = MoETransformer(cfg, dist.group.WORLD)
         mbs = make_batches(rank, cfg.vocab_size, 3)
         ref_losses, ref = eager_grads(model, mbs)
@@ -153,3 +154,22 @@ def titan_shared_seq_nr(rank: int, world: int) -> dict:
     comm_ops = {s.name: [o for o in s.op_list() if o.endswith("all_to_all_single")] for s in stages}
     return dict(moved=moved, loss_equal=torch.equal(loss, ref_losses[0]), diff=diff, scale=scale, bitwise=bitwise,
                 misplaced={k: v for k, v in comm_ops.items() if v and not k.endswith(("dispatch", "combine"))})
+
+
+def dedup_vs_per_expert(rank: int, world: int) -> dict:
+    """The same weights and data through token_dedup=True and False (eager, 3 microbatches)."""
+    torch.manual_seed(0)
+    per_expert = MoETransformer(MoEConfig.tiny(top_k=3, shared_expert_dim=32), dist.group.WORLD)
+    dedup = MoETransformer(MoEConfig.tiny(top_k=3, shared_expert_dim=32, token_dedup=True), dist.group.WORLD)
+    dedup.load_state_dict(per_expert.state_dict())
+    mbs = make_batches(rank, 256, 3)
+    ref_losses, ref = eager_grads(per_expert, mbs)
+    losses = eager_steps(dedup, mbs)
+    diff, scale, _ = grad_diff(dedup, ref)
+    moe = dedup.layers[0].moe
+    tokens = torch.randn(32, moe.cfg.dim)
+    _, idx = moe.router(tokens)
+    sent = fxoverlap.ops.token_dispatch(tokens, idx, torch.ones(idx.shape), moe.cfg.n_experts, dist.group.WORLD)
+    return dict(loss_diff=max((a - b).abs().item() for a, b in zip(losses, ref_losses)),
+                loss_scale=max(a.abs().item() for a in ref_losses), diff=diff, scale=scale,
+                routed=idx.numel(), sent=int((sent.slot >= 0).sum()))

@@ -27,6 +27,7 @@ INTERLEAVED = [
     dict(top_k=1, router="sigmoid"),
     dict(routing="capacity", top_k=2, router="softmax", shared_expert_dim=32),
     dict(routing="capacity", top_k=1, router="sigmoid", layer_pattern=("moe", "dense")),
+    dict(token_dedup=True, top_k=3, router="sigmoid", shared_expert_dim=32),
 ]
 NS = [1, 2, 3, 5]
 
@@ -97,9 +98,19 @@ def test_forward_only_call():
 def test_four_ranks():
     """Nothing assumes EP = 2: four gloo ranks, 2 local experts each."""
     for r in run_distributed(cases.world_generic, world_size=4):
+        assert set(r) == {"dropless", "capacity", "dedup"}
         for routing, row in r.items():
             assert row["losses_equal"] and _ok(row) and row["bitwise"], (routing, row)
             assert row["local_experts"] == 2
+
+
+def test_token_dedup_matches_per_expert_dispatch():
+    """Sending a token once per rank is the same model as sending it once per expert:
+    eager losses and gradients agree up to the order of the top-k sum (fp32)."""
+    for r in _run("dedup_vs_per_expert"):
+        assert r["routed"] > r["sent"], r  # fewer rows on the wire
+        assert r["loss_diff"] <= 1e-6 * r["loss_scale"], r
+        assert _ok(r), r
 
 
 def test_backward_all_to_all_tagging_survives_shared_seq_nr():

@@ -9,7 +9,9 @@ DeepSeek-V3-style multi-token-prediction head of depth 1 (``mtp``).
 
 Routing modes: ``"dropless"`` (variable split sizes; the dispatch output has a
 data-dependent row count) and ``"capacity"`` (drop-and-pad to a fixed number of
-rows per expert; every shape is static).
+rows per expert; every shape is static). ``token_dedup=True`` (dropless) sends
+each token once per destination rank with its routing (``ops.token_dispatch``)
+and reduces the weighted expert outputs on the receiving rank before the combine.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class MoEConfig:
     router: Literal["softmax", "sigmoid"] = "softmax"
     routing: Literal["dropless", "capacity"] = "dropless"
     capacity_factor: float = 1.0
+    # Dropless only: send each token once per destination rank with its routing
+    # (fxoverlap.ops.token_dispatch) instead of once per selected expert.
+    token_dedup: bool = False
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -65,6 +70,8 @@ class MoEConfig:
             raise ValueError(f"layer_pattern entries must be 'moe' or 'dense', got {bad}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if self.token_dedup and self.routing != "dropless":
+            raise ValueError("MoEConfig.token_dedup needs routing='dropless' (capacity routing sends fixed-size buffers)")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k must be in [1, n_experts], got {self.top_k}")
 
@@ -203,6 +210,8 @@ class MoE(nn.Module):
         weights, idx = self.router(tokens)
         if self.cfg.routing == "capacity":
             out = self._capacity(tokens, weights, idx)
+        elif self.cfg.token_dedup:
+            out = self._token_once(tokens, weights, idx)
         else:
             out = self._dropless(tokens, weights, idx)
         if self.shared_expert is not None:
@@ -220,6 +229,17 @@ class MoE(nn.Module):
         back = ops.combine(expert_out, recv_counts, counts, self.ep_group, n_tok * k)
         unsorted = torch.zeros_like(back).index_copy(0, order, back)
         return (unsorted.view(n_tok, k, -1) * weights.unsqueeze(-1)).sum(1)
+
+    def _token_once(self, tokens, weights, idx):
+        k = self.cfg.top_k
+        sent = ops.token_dispatch(tokens, idx, weights, self.cfg.n_experts, self.ep_group)
+        rows, dim = sent.x.shape[0], tokens.shape[1]
+        expert_out = self.experts(sent.x.index_select(0, sent.pair_index // k), sent.recv_pairs.sum(0))
+        weighted = expert_out * sent.weights.flatten().index_select(0, sent.pair_index).unsqueeze(-1)
+        # One row per received token: its weighted expert outputs summed (index_copy +
+        # sum, not index_add, so the reduction order is fixed).
+        per_slot = weighted.new_zeros(rows * k, dim).index_copy(0, sent.pair_index, weighted)
+        return ops.token_combine(per_slot.view(rows, k, dim).sum(1), sent, self.ep_group)
 
     def _capacity(self, tokens, weights, idx):
         n_tok, k, e = tokens.shape[0], self.cfg.top_k, self.cfg.n_experts
