@@ -17,6 +17,19 @@ B head opens the merged step; F post of the last layer, F head and B embed close
 it. A dense layer's ``mlp`` takes the experts slot and has no comm slots. A
 recompute stage runs right before the first backward stage of its group.
 
+The drain B(N-1) (with N = 1, the whole backward) has no forward to pair with,
+so it overlaps its comm stages with its own weight-grads: stages run in plain
+backward order, and each wgrad part waits until the microbatch's next comm stage
+has been issued, so the compute stream runs it while the comm stream runs that
+all-to-all. Per MoE layer l:
+
+    B experts(l) -> B dispatch(l) -> wgrad experts(l) -> B attn(l)
+    -> B post(l-1) -> B combine(l-1) -> wgrad attn(l) -> B experts(l-1) -> ...
+
+A wgrad part with no comm stage after it (layer 0's attn, dense layers under the
+lowest MoE layer) runs right after its parent: waiting would only hold memory.
+Drain stages are outside the slots (``meta["slot"]`` None).
+
 Each program node is ``call_module`` on a stage wrapper with ``args=(microbatch,)``
 and ``meta["stage"]``, ``meta["microbatch"]`` and ``meta["slot"]`` (``(merged step,
 layer pair, slot)``, or None outside the slots); the runtime walks them in order.
@@ -30,7 +43,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap.stage import Direction, Stage, StageKind
+from fxoverlap.stage import Direction, Stage, StageKind, StreamKind
 
 
 class StageCall(nn.Module):
@@ -112,12 +125,25 @@ def schedule(stages: list[Stage], num_microbatches: int, num_layers: int) -> tor
         e.emit(e.get(F, num_layers, K.HEAD), mb)
 
     def bwd_all(mb: int) -> None:
-        e.emit(e.get(B, num_layers, K.HEAD), mb)
+        """What is left of B(mb), in plain order, each wgrad part after the next comm stage."""
+        order = list(e.get(B, num_layers, K.HEAD))
         for layer in reversed(range(num_layers)):
             for kind in _layer_kinds(B):
-                e.emit(e.get(B, layer, kind), mb)
-                e.emit(e.wgrad_of(e.get(B, layer, kind)), mb)
-        e.emit(e.get(B, -1, K.EMBED), mb)
+                order += e.get(B, layer, kind)
+        order += e.get(B, -1, K.EMBED)
+        comm_left = sum(s.stream is StreamKind.COMM for s in order)
+        pending: list[Stage] = []  # wgrad parts waiting for the next comm stage
+        for s in order:
+            e.emit([s], mb)
+            if s.stream is StreamKind.COMM:
+                comm_left -= 1
+                # issued on the comm stream: these wgrads now run alongside it
+                e.emit(pending, mb)
+                pending = []
+            if comm_left:
+                pending += e.wgrad_of([s])
+            else:  # no comm stage left to overlap with
+                e.emit(e.wgrad_of([s]), mb)
 
     fwd_all(0)
     for i in range(1, num_microbatches):

@@ -1,7 +1,7 @@
 """GPU checks for issues 3-5, on 2 ranks with NCCL: ``torchrun --nproc-per-node 2 scripts/gpu_checks.py``.
 
 * numerics: bf16 losses and gradients of ``forward_backward`` against eager on the same
-  weights and data (dropless and capacity routing). Tolerance: gradients are compared by
+  weights and data (dropless, capacity, and dropless with token dedup). Tolerance: gradients are compared by
   relative L2 per parameter against eager; eager is run twice to measure its own
   run-to-run noise (atomics in index/scatter backward kernels make bf16 sums
   order-dependent). We require rel-L2 <= max(4 x eager noise, 2^-7): the stage graphs
@@ -10,7 +10,7 @@
 * memory: peak ``max_memory_allocated`` of the interleaved program vs eager sequential at
   two microbatch sizes (target <= 1.10).
 * recompute: peak memory of an mHC model (>= 4 layers) with recompute off vs on.
-* csan: the program (free pass on, delayed wgrad off/on, both routings) under CSAN,
+* csan: the program (free pass on, delayed wgrad off/on, each routing) under CSAN,
   enabled after the capture (``--checks csan``).
 Prints one ``CHECK {...}`` JSON line per result on rank 0; ``--out`` writes them to a file.
 """
@@ -43,6 +43,14 @@ def _eager(model, batches):
     return [x.float() for x in eager_steps(model, batches)], take_grads(model, torch.float32)
 
 
+ROUTINGS = ("dropless", "capacity", "dedup")
+
+
+def _routing(name: str) -> dict:
+    """MoEConfig fields of a routing name; "dedup" is dropless with each token sent once per rank."""
+    return dict(routing="dropless", token_dedup=True) if name == "dedup" else dict(routing=name)
+
+
 def _model(cfg, device, dtype):
     torch.manual_seed(0)
     return MoETransformer(cfg, dist.group.WORLD).to(device=device, dtype=dtype)
@@ -55,9 +63,9 @@ def check_csan(device, emit):
     import torch.cuda._sanitizer as csan
 
     results = {}
-    for routing in ("dropless", "capacity"):
+    for routing in ROUTINGS:
         cfg = MoEConfig.tiny(dim=256, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=128,
-                             shared_expert_dim=128, vocab_size=4096, max_seq_len=256, routing=routing,
+                             shared_expert_dim=128, vocab_size=4096, max_seq_len=256, **_routing(routing),
                              layer_pattern=("moe", "moe", "dense", "moe"))
         model = _model(cfg, device, torch.bfloat16)
         batches = _batches(cfg, 3, 2, 256, device)
@@ -80,10 +88,10 @@ def check_csan(device, emit):
 
 
 def check_numerics(device, emit, small=False):
-    for routing in ("dropless", "capacity"):
+    for routing in ROUTINGS:
         dim, seq = (256, 256) if small else (1024, 1024)
         cfg = MoEConfig.tiny(dim=dim, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=dim // 2,
-                             shared_expert_dim=dim // 2, vocab_size=8192, max_seq_len=seq, routing=routing,
+                             shared_expert_dim=dim // 2, vocab_size=8192, max_seq_len=seq, **_routing(routing),
                              layer_pattern=("moe", "moe", "dense", "moe"))
         model = _model(cfg, device, torch.bfloat16)
         batches = _batches(cfg, 3, 2, seq, device)

@@ -421,9 +421,10 @@ def test_delay_wgrad_and_mhc_replay_bitwise(fake_cuda):
 
 def test_pool_per_graph_where_replay_order_differs(fake_cuda, caplog):
     """Delayed weight-grad stages run in another order in the last microbatch's
-    backward than in the merged steps: that copy gets one pool per graph (logged)."""
+    backward than in the merged steps (here: the dense layer's wgrads wait for the
+    next combine in the drain): that copy gets one pool per graph (logged)."""
     mbs = _batches(3, 256, seed=5)
-    model = _model("capacity")
+    model = _model("capacity", n_layers=3, layer_pattern=("moe", "dense", "moe"))
     _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(delay_wgrad=True), mbs)
     engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True, delay_wgrad=True))
     with caplog.at_level(logging.INFO, logger="fxoverlap"):

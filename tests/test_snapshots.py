@@ -15,6 +15,7 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
+from fxoverlap.stage import StreamKind
 from snapshot_utils import render_program, render_tagged, requires_pinned_torch
 
 CFG = MoEConfig.tiny(n_layers=2, dim=32, n_heads=2, n_experts=4, expert_dim=16, dense_dim=32,
@@ -442,3 +443,31 @@ B1_l0_attn = self.bwd_l0_attn(1, stream = 'comp')
 B1_model_embed = self.bwd_model_embed(1, stream = 'comp')
 record_event_17 = fxoverlap_program_record_event('end', 'comm')
 wait_event_17 = fxoverlap_program_wait_event('end', 'comp')""")
+
+
+def test_drain_runs_each_wgrad_after_the_next_comm_stage():
+    """In the drain B(N-1), each wgrad part comes after the first comm stage issued
+    after its parent (the all-to-all it overlaps), not right after the parent."""
+    torch.manual_seed(0)
+    cfg = MoEConfig.tiny(n_layers=2, dim=32, n_heads=2, n_experts=4, expert_dim=16,
+                         vocab_size=32, layer_pattern=("moe", "moe"))
+    engine = fxoverlap.optimize(MoETransformer(cfg), None, fxoverlap.OverlapConfig(delay_wgrad=True))
+    engine.forward_backward([_batch(), _batch()])
+    stages = {s.name: s for s in engine.stages}
+    calls = [n for n in engine.program.graph.nodes if n.op == "call_module"]
+    drain = [n for n in calls if n.meta["microbatch"] == 1 and n.name.startswith("B")]
+    assert all(n.meta["slot"] is None for n in drain)
+    assert [n.name.removeprefix("B1_") for n in drain] == [
+        "model_head", "l1_post", "l1_combine",
+        "l1_experts", "l1_dispatch", "l1_experts_wgrad",
+        "l1_attn", "l0_post", "l0_combine", "l1_attn_wgrad",
+        "l0_experts", "l0_dispatch", "l0_experts_wgrad",
+        "l0_attn", "l0_attn_wgrad",  # no comm stage left: right after its parent
+        "model_embed",
+    ]
+    pos = {n.meta["stage"]: i for i, n in enumerate(drain)}
+    comm = [i for i, n in enumerate(drain) if stages[n.meta["stage"]].stream is StreamKind.COMM]
+    for name, s in stages.items():
+        if s.wgrad_of is not None:
+            after = [i for i in comm if i > pos[s.wgrad_of]]
+            assert not after or after[0] < pos[name], f"{name} runs before the comm stage after {s.wgrad_of}"
