@@ -133,23 +133,22 @@ def _token_dispatch(
 @_token_dispatch.register_fake
 def _(x, idx, w, n_experts, group_name):
     ep = a2a.world_size(a2a.resolve_group(group_name))
-    ctx = torch.library.get_ctx()
-    rows, pairs = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    pairs = torch.library.get_ctx().new_dynamic_size()
     return (
-        x.new_empty(rows, x.shape[1]), w.new_empty(rows, idx.shape[1]), idx.new_empty(pairs),
-        idx.new_empty(ep, n_experts // ep), idx.new_empty(idx.shape[0], ep), idx.new_empty(ep),
+        x.new_empty(pairs, x.shape[1]), w.new_empty(pairs), idx.new_empty(ep, n_experts // ep),
+        idx.new_empty(pairs), idx.new_empty(idx.shape[0], ep), idx.new_empty(ep),
     )
 
 
 def _token_dispatch_setup(ctx, inputs, output):
     _, idx, _, n_experts, group_name = inputs
-    ctx.save_for_backward(idx, output[4], output[5])
+    ctx.save_for_backward(idx, output[3], output[4], output[5])
     ctx.n_experts, ctx.group_name = n_experts, group_name
 
 
 def _token_dispatch_backward(ctx, grad_x, grad_w, *_):
-    idx, slot, recv_rows = ctx.saved_tensors
-    gx, gw = _token_dispatch_backward_op(grad_x, grad_w, idx, slot, recv_rows, ctx.n_experts, ctx.group_name)
+    idx, pair_index, slot, recv_rows = ctx.saved_tensors
+    gx, gw = _token_dispatch_backward_op(grad_x, grad_w, idx, pair_index, slot, recv_rows, ctx.n_experts, ctx.group_name)
     return gx, None, gw, None, None
 
 
@@ -158,36 +157,40 @@ _token_dispatch.register_autograd(_token_dispatch_backward, setup_context=_token
 
 @torch.library.custom_op("fxoverlap::token_dispatch_backward", mutates_args=())
 def _token_dispatch_backward_op(
-    grad_x: torch.Tensor, grad_w: torch.Tensor, idx: torch.Tensor, slot: torch.Tensor,
+    grad_x: torch.Tensor, grad_w: torch.Tensor, idx: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor,
     recv_rows: torch.Tensor, n_experts: int, group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return dedup.dispatch_backward(grad_x, grad_w, idx, slot, recv_rows, n_experts, a2a.resolve_group(group_name))
+    return dedup.dispatch_backward(
+        grad_x, grad_w, idx, pair_index, slot, recv_rows, n_experts, a2a.resolve_group(group_name))
 
 
 @_token_dispatch_backward_op.register_fake
-def _(grad_x, grad_w, idx, slot, recv_rows, n_experts, group_name):
+def _(grad_x, grad_w, idx, pair_index, slot, recv_rows, n_experts, group_name):
     return grad_x.new_empty(idx.shape[0], grad_x.shape[1]), grad_w.new_empty(idx.shape)
 
 
 @torch.library.custom_op("fxoverlap::token_combine", mutates_args=())
-def _token_combine(y: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, group_name: str) -> torch.Tensor:
-    return dedup.combine(y, slot, recv_rows, a2a.resolve_group(group_name))
+def _token_combine(
+    y: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, top_k: int, group_name: str
+) -> torch.Tensor:
+    return dedup.combine(y, pair_index, slot, recv_rows, top_k, a2a.resolve_group(group_name))
 
 
 @_token_combine.register_fake
-def _(y, slot, recv_rows, group_name):
+def _(y, pair_index, slot, recv_rows, top_k, group_name):
     return y.new_empty(slot.shape[0], y.shape[1])
 
 
 def _token_combine_setup(ctx, inputs, output):
-    y, slot, recv_rows, group_name = inputs
-    ctx.save_for_backward(slot, recv_rows)
-    ctx.group_name, ctx.y_rows = group_name, y.shape[0]
+    _, pair_index, slot, recv_rows, top_k, group_name = inputs
+    ctx.save_for_backward(pair_index, slot, recv_rows)
+    ctx.top_k, ctx.group_name = top_k, group_name
 
 
 def _token_combine_backward(ctx, grad_out):
-    slot, recv_rows = ctx.saved_tensors
-    return _token_combine_backward_op(grad_out, slot, recv_rows, ctx.group_name, ctx.y_rows), None, None, None
+    pair_index, slot, recv_rows = ctx.saved_tensors
+    grad_y = _token_combine_backward_op(grad_out, pair_index, slot, recv_rows, ctx.top_k, ctx.group_name)
+    return grad_y, None, None, None, None, None
 
 
 _token_combine.register_autograd(_token_combine_backward, setup_context=_token_combine_setup)
@@ -195,42 +198,49 @@ _token_combine.register_autograd(_token_combine_backward, setup_context=_token_c
 
 @torch.library.custom_op("fxoverlap::token_combine_backward", mutates_args=())
 def _token_combine_backward_op(
-    grad_out: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, group_name: str, y_rows: int
+    grad_out: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, top_k: int,
+    group_name: str,
 ) -> torch.Tensor:
-    return dedup.combine_backward(grad_out, slot, recv_rows, a2a.resolve_group(group_name))
+    return dedup.combine_backward(grad_out, pair_index, slot, recv_rows, top_k, a2a.resolve_group(group_name))
 
 
 @_token_combine_backward_op.register_fake
-def _(grad_out, slot, recv_rows, group_name, y_rows):
-    return grad_out.new_empty(y_rows, grad_out.shape[1])
+def _(grad_out, pair_index, slot, recv_rows, top_k, group_name):
+    return grad_out.new_empty(pair_index.shape[0], grad_out.shape[1])
 
 
 class TokenDispatch(NamedTuple):
-    """What :func:`token_dispatch` returns; ``slot`` and ``recv_rows`` feed :func:`token_combine`."""
+    """What :func:`token_dispatch` returns; :func:`token_combine` takes it back."""
 
-    x: torch.Tensor  # [R, D] received rows, source-rank-major
-    weights: torch.Tensor  # [R, k] routing weight per top-k slot (0 where the expert is elsewhere)
-    pair_index: torch.Tensor  # [P] valid slots row * k + j, ordered by local expert
+    x: torch.Tensor  # [P, D] one row per (received token, local expert), grouped by local expert
+    weights: torch.Tensor  # [P] the routing weight of each pair
     recv_pairs: torch.Tensor  # [ep, El] pairs from each source rank per local expert
+    pair_index: torch.Tensor  # [P] the pair's top-k slot (received row * k + j)
     slot: torch.Tensor  # [T, ep] send row of (token, rank), -1 where none
-    recv_rows: torch.Tensor  # [ep] rows from each source rank
+    recv_rows: torch.Tensor  # [ep] rows (tokens) from each source rank
+    top_k: int
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """Group sizes of ``x`` for a grouped GEMM."""
+        return self.recv_pairs.sum(0)
 
 
 def token_dispatch(
     x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None
 ) -> TokenDispatch:
-    """Send each token once to every rank owning one of its experts (``idx[T, k]``, global ids).
+    """Send each token once to every rank owning one of its experts (``idx[T, k]``: global ids).
 
-    The DeepEP-style alternative to :func:`dispatch`: fewer bytes (one copy per rank
-    instead of one per expert), with the routing travelling alongside. See
-    ``fxoverlap.kernels.dedup`` for the layout.
+    The DeepEP-style alternative to :func:`dispatch`: one copy per rank instead of
+    one per expert, with the routing alongside; the receiver gets one row per
+    (token, local expert) pair, grouped by expert. See ``fxoverlap.kernels.dedup``.
     """
-    return TokenDispatch(*_token_dispatch(x, idx, weights, n_experts, a2a.group_name_of(group)))
+    return TokenDispatch(*_token_dispatch(x, idx, weights, n_experts, a2a.group_name_of(group)), idx.shape[1])
 
 
 def token_combine(y: torch.Tensor, sent: TokenDispatch, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Inverse of :func:`token_dispatch` for one reduced row per received row: ``[T, D]``."""
-    return _token_combine(y, sent.slot, sent.recv_rows, a2a.group_name_of(group))
+    """Inverse of :func:`token_dispatch`: ``out[t] = sum of y over t's pairs on every rank``, ``[T, D]``."""
+    return _token_combine(y, sent.pair_index, sent.slot, sent.recv_rows, sent.top_k, a2a.group_name_of(group))
 
 
 # ---------------------------------------------------------------- grouped GEMM

@@ -3,24 +3,27 @@
 The per-expert dispatcher (``a2a.py``) sends a token once for every expert it picked;
 with top-8 of 32 experts on 2 ranks that is ~4 copies to the remote rank. Here a
 token travels once to every rank that owns at least one of its experts, together with
-its routing for that rank (local expert ids, weights); the receiver expands rows into
-(row, expert) pairs for the grouped GEMM and reduces the weighted expert outputs back
-to one row per token before the combine. DeepEP and HybridEP do the same in custom
-kernels; this is plain ``all_to_all_single`` so it runs on NCCL and gloo.
+its routing for that rank (local expert ids and weights, one packed all-to-all). The
+receiver expands its rows into (row, expert) pairs grouped by local expert, ready for
+a grouped GEMM; the combine sums each row's (weighted) pair outputs, sends one row
+back per (token, rank), and the sender sums a token's rows over ranks. DeepEP and
+HybridEP do the same in custom kernels; this is plain ``all_to_all_single``, so it
+runs on NCCL and gloo.
 
 Layout:
 
 * ``slot[T, ep]``: the row of (token t, rank r) in the sender's buffer, -1 if t sends
   nothing to r. Rows are rank-major, tokens in order within a rank.
-* The receiver's rows are source-rank-major. ``recv_ids[R, k]`` holds each row's local
-  expert per top-k slot (``El`` where that slot's expert lives on another rank) and
-  ``recv_w[R, k]`` its weight (0 there). ``pair_index[P]`` lists the valid slots
-  ``row * k + j`` ordered by local expert (stable: source rank, then token), so
-  ``recv_x[pair_index // k]`` is the grouped GEMM input and ``recv_pairs[ep, El]``
-  (rows from each source for each local expert) gives its group sizes.
+* The receiver's ``R`` rows are source-rank-major; ``pair_index[P]`` lists its valid
+  top-k slots ``row * k + j``, ordered by local expert (stable: source rank, then
+  token), so pair ``p`` is row ``pair_index[p] // k``. ``recv_pairs[ep, El]``: pairs
+  from each source rank per local expert; ``recv_pairs.sum(0)`` are the group sizes.
 
 One host sync per dispatch (the exchanged counts); the combine and both backward
-all-to-alls reuse the host split lists, cached on the ``recv_rows`` tensor.
+all-to-alls reuse the host split lists, cached on the ``recv_rows`` tensor. Pair
+outputs are summed per row with ``index_add_`` (on CUDA an atomic add, so the order
+of the at most k terms of a row is not fixed; ``torch.use_deterministic_algorithms``
+makes it deterministic).
 """
 
 from __future__ import annotations
@@ -31,12 +34,18 @@ import torch.distributed as dist
 from fxoverlap.kernels.a2a import _recall, _remember, world_size
 
 
-def _all_to_all(out_rows: list[int], x: torch.Tensor, in_rows: list[int], group) -> torch.Tensor:
+def _all_to_all(out_rows: list[int], parts: list[torch.Tensor], in_rows: list[int], group) -> list[torch.Tensor]:
+    """One all-to-all for several ``[rows, cols]`` tensors (any dtypes), packed as bytes."""
     if group is None:
-        return x.clone()
-    out = x.new_empty(sum(out_rows), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group)
-    return out
+        return [p.clone() for p in parts]
+    widths = [p.shape[1] * p.element_size() for p in parts]
+    packed = torch.cat([p.contiguous().view(torch.uint8) for p in parts], 1) if len(parts) > 1 else (
+        parts[0].contiguous().view(torch.uint8))
+    out = packed.new_empty(sum(out_rows), packed.shape[1])
+    dist.all_to_all_single(out, packed, out_rows, in_rows, group=group)
+    if len(parts) == 1:
+        return [out.view(parts[0].dtype)]
+    return [c.contiguous().view(p.dtype) for c, p in zip(torch.split(out, widths, 1), parts)]
 
 
 def _rows_of_slots(slot: torch.Tensor, rows: int) -> torch.Tensor:
@@ -59,17 +68,20 @@ def _host_splits(slot: torch.Tensor, recv_rows: torch.Tensor) -> tuple[list[int]
     return splits
 
 
-def _gather_per_token(back: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+def _sum_per_token(back: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum over ranks r of back[slot[t, r]]`` (0 where slot is -1), in rank order."""
-    rows = back.shape[0]
     padded = torch.cat([back, back.new_zeros(1, *back.shape[1:])])
-    return padded[torch.where(slot >= 0, slot, rows)].sum(1)
+    return padded[torch.where(slot >= 0, slot, back.shape[0])].sum(1)
+
+
+def _sum_per_row(pairs: torch.Tensor, pair_index: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    return pairs.new_zeros(rows, pairs.shape[1]).index_add_(0, pair_index // k, pairs)
 
 
 def dispatch(
     x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, ...]:
-    """Returns ``(recv_x, recv_w, pair_index, recv_pairs, slot, recv_rows)`` (see the module doc)."""
+    """Returns ``(pairs_x [P, D], pairs_w [P], recv_pairs [ep, El], pair_index [P], slot, recv_rows)``."""
     ep = world_size(group)
     if n_experts % ep:
         raise ValueError(
@@ -78,14 +90,15 @@ def dispatch(
         )
     el = n_experts // ep
     t, k = idx.shape
-    dest = idx // el
-    hit = torch.zeros(t, ep, dtype=torch.bool, device=idx.device).scatter_(1, dest, True)
+    dev = idx.device
+    hit = torch.zeros(t, ep, dtype=torch.bool, device=dev).scatter_(1, idx // el, True)
     send_rows = hit.sum(0)
-    base = send_rows.cumsum(0) - send_rows
-    slot = torch.where(hit, hit.long().cumsum(0) - 1 + base, -1)
-    pairs = torch.bincount(idx.flatten(), minlength=n_experts).view(ep, el)
-    msg = torch.cat([send_rows.unsqueeze(1), pairs], 1)  # row r: what rank r will receive from us
-    recv_msg = _all_to_all([1] * ep, msg, [1] * ep, group)
+    slot = torch.where(hit, hit.long().cumsum(0) - 1 + (send_rows.cumsum(0) - send_rows), -1)
+    # pairs per global expert (scatter_add, not bincount: bincount syncs with the host on CUDA)
+    pairs = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(
+        0, idx.flatten(), torch.ones(idx.numel(), dtype=torch.long, device=dev))
+    msg = torch.cat([send_rows.unsqueeze(1), pairs.view(ep, el)], 1)  # row r: what rank r gets from us
+    (recv_msg,) = _all_to_all([1] * ep, [msg], [1] * ep, group)
     recv_rows, recv_pairs = recv_msg[:, 0].clone(), recv_msg[:, 1:].clone()  # outputs must not alias
     # The one host sync: split sizes and the received pair count.
     host = torch.cat([send_rows, recv_rows, recv_pairs.sum().view(1)]).tolist()
@@ -94,43 +107,47 @@ def dispatch(
 
     rows = sum(send_list)
     token = _rows_of_slots(slot, rows)
-    rank_of_row = torch.arange(ep, device=idx.device).repeat_interleave(send_rows, output_size=rows)
+    rank_of_row = torch.arange(ep, device=dev).repeat_interleave(send_rows, output_size=rows)
     idx_rows = idx.index_select(0, token)
     mine = idx_rows // el == rank_of_row.unsqueeze(1)
-    send_ids = torch.where(mine, idx_rows % el, el)
+    send_ids = torch.where(mine, idx_rows % el, el).to(torch.int32)
     send_w = torch.where(mine, w.index_select(0, token), 0)
-
-    recv_x = _all_to_all(recv_list, x.index_select(0, token), send_list, group)
-    recv_ids = _all_to_all(recv_list, send_ids, send_list, group)
-    recv_w = _all_to_all(recv_list, send_w, send_list, group)
+    recv_x, recv_ids, recv_w = _all_to_all(recv_list, [x.index_select(0, token), send_ids, send_w], send_list, group)
     pair_index = torch.argsort(recv_ids.flatten(), stable=True)[:n_pairs]
-    return recv_x, recv_w, pair_index, recv_pairs, slot, recv_rows
+    pairs_x = recv_x.index_select(0, pair_index // k)
+    pairs_w = recv_w.flatten().index_select(0, pair_index)
+    return pairs_x, pairs_w, recv_pairs, pair_index, slot, recv_rows
 
 
 def dispatch_backward(
-    grad_x: torch.Tensor, grad_w: torch.Tensor, idx: torch.Tensor, slot: torch.Tensor,
-    recv_rows: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None,
+    grad_x: torch.Tensor, grad_w: torch.Tensor, idx: torch.Tensor, pair_index: torch.Tensor,
+    slot: torch.Tensor, recv_rows: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``dispatch`` for ``x`` (summed over ranks) and ``w`` (from the owning rank)."""
+    """Gradients of ``dispatch`` for ``x`` (summed over pairs and ranks) and ``w`` (from the owning rank)."""
     send_list, recv_list = _host_splits(slot, recv_rows)
-    back_x = _all_to_all(send_list, grad_x, recv_list, group)
-    back_w = _all_to_all(send_list, grad_w, recv_list, group)
+    rows, k = sum(recv_list), idx.shape[1]
+    row_gx = _sum_per_row(grad_x, pair_index, rows, k)
+    row_gw = grad_w.new_zeros(rows * k).index_copy_(0, pair_index, grad_w).view(rows, k)
+    back_x, back_w = _all_to_all(send_list, [row_gx, row_gw], recv_list, group)
     el = n_experts // slot.shape[1]
-    rows = back_w.shape[0]
-    padded = torch.cat([back_w, back_w.new_zeros(1, back_w.shape[1])])
-    row_of_pick = torch.where(slot >= 0, slot, rows).gather(1, idx // el)  # [T, k]
-    return _gather_per_token(back_x, slot), padded[row_of_pick, torch.arange(idx.shape[1], device=idx.device)]
+    padded = torch.cat([back_w, back_w.new_zeros(1, k)])
+    row_of_pick = torch.where(slot >= 0, slot, back_w.shape[0]).gather(1, idx // el)  # [T, k]
+    return _sum_per_token(back_x, slot), padded[row_of_pick, torch.arange(k, device=idx.device)]
 
 
-def combine(y: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Send each received row's reduced expert output home; sum a token's rows over ranks."""
+def combine(y: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, k: int,
+            group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum each received row's pair outputs, send the rows home, sum a token's rows over ranks."""
     send_list, recv_list = _host_splits(slot, recv_rows)
-    return _gather_per_token(_all_to_all(send_list, y, recv_list, group), slot)
+    rows = _sum_per_row(y, pair_index, sum(recv_list), k)
+    (back,) = _all_to_all(send_list, [rows], recv_list, group)
+    return _sum_per_token(back, slot)
 
 
-def combine_backward(grad_out: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor,
-                     group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Gradient of ``combine``: each token's gradient goes to every rank it was sent to."""
+def combine_backward(grad_out: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor,
+                     recv_rows: torch.Tensor, k: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Gradient of ``combine``: each token's gradient goes to every pair it was sent to."""
     send_list, recv_list = _host_splits(slot, recv_rows)
     token = _rows_of_slots(slot, sum(send_list))
-    return _all_to_all(recv_list, grad_out.index_select(0, token), send_list, group)
+    (rows,) = _all_to_all(recv_list, [grad_out.index_select(0, token)], send_list, group)
+    return rows.index_select(0, pair_index // k)

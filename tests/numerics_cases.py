@@ -172,4 +172,4 @@ def dedup_vs_per_expert(rank: int, world: int) -> dict:
     sent = fxoverlap.ops.token_dispatch(tokens, idx, torch.ones(idx.shape), moe.cfg.n_experts, dist.group.WORLD)
     return dict(loss_diff=max((a - b).abs().item() for a, b in zip(losses, ref_losses)),
                 loss_scale=max(a.abs().item() for a in ref_losses), diff=diff, scale=scale,
-                routed=idx.numel(), sent=int((sent.slot >= 0).sum()))
+                routed=idx.numel(), sent=int((sent.slot >= 0).sum()), pairs=int(sent.tokens_per_expert.sum()))

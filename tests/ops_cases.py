@@ -48,28 +48,21 @@ def roundtrip(rank: int, world: int, n_experts: int) -> dict:
     )
 
 
-def _global_ids_of_pairs(sent, k, x, idx, n_experts, world):
-    """Send every token's global ids along (as a float payload) to read them back per pair."""
-    ids_sent = ops.token_dispatch(idx.float(), idx, torch.ones(idx.shape), n_experts, dist.group.WORLD)
-    picked = ids_sent.x.index_select(0, sent.pair_index // k)  # [P, k] the token's k global ids
-    el = n_experts // world
-    mine = picked.long() // el == dist.get_rank()
-    # the pair's expert is the one of slot pair_index % k
-    return picked.gather(1, (sent.pair_index % k).unsqueeze(1)).squeeze(1).long() * mine.any(1)
-
-
 def token_roundtrip(rank: int, world: int, n_experts: int, k: int) -> dict:
     """token_dispatch -> identity experts -> token_combine against the per-expert formula.
 
-    Checks the layout (each received row's ids name this rank's experts, weights are
-    the sender's), that every token crosses to a rank at most once, that the combine
-    returns sum_j w[t, j] * x[t], the gradients of x and w, and one host sync.
+    Checks the layout (pairs grouped by this rank's experts in ascending order, each
+    pair carrying its token and weight), that a token crosses to a rank at most once,
+    that the combine returns sum_j w[t, j] * x[t], the gradients of x and w, and that
+    only the dispatch syncs with the host.
     """
     g = torch.Generator().manual_seed(rank)
-    t, d, el = 7, 4, n_experts // world
+    t, el = 7, n_experts // world
     idx = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(t)])
-    x = torch.randn(t, d, generator=g, requires_grad=True)
-    w = torch.rand(t, k, generator=g, requires_grad=True)
+    # columns: source rank, token, then free values
+    x = torch.cat([torch.full((t, 1), float(rank)), torch.arange(t).float().unsqueeze(1),
+                   torch.randn(t, 2, generator=g)], 1).requires_grad_()
+    w = torch.rand(t, k, generator=g).requires_grad_()
     misses = {"n": 0}
     recall = a2a._recall
 
@@ -81,33 +74,31 @@ def token_roundtrip(rank: int, world: int, n_experts: int, k: int) -> dict:
     a2a._recall = counting
     try:
         sent = ops.token_dispatch(x, idx, w, n_experts, dist.group.WORLD)
-        ids_ok = bool((sent.weights >= 0).all())
-        # pairs come grouped by local expert: the global ids behind them, in order,
-        # are this rank's experts in ascending order
-        owner_ids = _global_ids_of_pairs(sent, k, x, idx, n_experts, world)
-        expert_major = bool((owner_ids.diff() >= 0).all()) and bool(
-            ((owner_ids >= rank * el) & (owner_ids < (rank + 1) * el)).all())
-        rows = sent.pair_index // k
-        expanded = sent.x.index_select(0, rows)
-        weighted = expanded * sent.weights.flatten().index_select(0, sent.pair_index).unsqueeze(-1)
-        per_slot = weighted.new_zeros(sent.x.shape[0] * k, d).index_copy(0, sent.pair_index, weighted)
-        out = ops.token_combine(per_slot.view(-1, k, d).sum(1), sent, dist.group.WORLD)
-        probe = torch.randn(t, d, generator=g)
+        out = ops.token_combine(sent.x * sent.weights.unsqueeze(-1), sent, dist.group.WORLD)
+        probe = torch.randn(t, 4, generator=g)
         (out * probe).sum().backward()
     finally:
         a2a._recall = recall
-    expected = x.detach() * w.detach().sum(1, keepdim=True)
-    ranks_per_token = (idx // el).unsqueeze(-1).eq(torch.arange(world)).any(1).sum()
-    all_rows = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-    dist.all_gather(all_rows, torch.tensor([sent.x.shape[0]]))
-    sent_rows = torch.zeros(1, dtype=torch.long)
-    dist.all_reduce(sent_rows.copy_(ranks_per_token))
+    # every pair's (source, token, weight) against the sender's routing, gathered from all ranks
+    routing = [torch.zeros(t, k, dtype=torch.long) for _ in range(world)]
+    weights = [torch.zeros(t, k) for _ in range(world)]
+    dist.all_gather(routing, idx)
+    dist.all_gather(weights, w.detach())
+    src, tok = sent.x[:, 0].long(), sent.x[:, 1].long()
+    j = sent.pair_index % k
+    experts = torch.stack(routing)[src, tok, j]
+    layout = bool((experts.diff() >= 0).all()) and bool(((experts // el) == rank).all()) and torch.equal(
+        sent.weights, torch.stack(weights)[src, tok, j]) and int(sent.tokens_per_expert.sum()) == len(experts)
+    expected_pairs = sum(int(((r // el) == rank).sum()) for r in routing)
+    ranks_per_token = torch.zeros(t, world, dtype=torch.bool).scatter_(1, idx // el, True).sum()
+    sent_rows, recv_rows = ranks_per_token.clone(), sent.recv_rows.sum()
+    dist.all_reduce(sent_rows)
+    dist.all_reduce(recv_rows)
+    scale = w.detach().sum(1, keepdim=True)
     return dict(
-        combine=torch.allclose(out, expected, atol=1e-6),
-        grad_x=torch.allclose(x.grad, probe * w.detach().sum(1, keepdim=True), atol=1e-6),
+        combine=torch.allclose(out, x.detach() * scale, atol=1e-6),
+        grad_x=torch.allclose(x.grad, probe * scale, atol=1e-6),
         grad_w=torch.allclose(w.grad, (probe * x.detach()).sum(1, keepdim=True).expand(t, k), atol=1e-6),
-        pairs=int(sent.pair_index.numel()) == int(sent.recv_pairs.sum()),
-        expert_major=expert_major,
-        once_per_rank=int(sum(int(r) for r in all_rows)) == int(sent_rows),
-        weights_positive=ids_ok, host_syncs=misses["n"],
+        layout=layout, pairs=len(experts) == expected_pairs, once_per_rank=int(sent_rows) == int(recv_rows),
+        host_syncs=misses["n"],
     )

@@ -47,7 +47,7 @@ def test_grouped_mm_matches_per_expert_matmul_and_grads():
 def test_token_dispatch_combine_two_ranks():
     for r in run_distributed(ops_cases.token_roundtrip, 8, 3):
         assert r["combine"] and r["grad_x"] and r["grad_w"], r
-        assert r["pairs"] and r["expert_major"] and r["once_per_rank"] and r["weights_positive"], r
+        assert r["layout"] and r["pairs"] and r["once_per_rank"], r
         # the dispatch syncs once for its split sizes and caches them; the combine
         # and both backward all-to-alls find them cached (no further host sync)
         assert r["host_syncs"] == 0, r
@@ -58,10 +58,11 @@ def test_token_dispatch_single_rank():
     x, w = torch.randn(5, 3, requires_grad=True), torch.rand(5, 2)
     idx = torch.tensor([[0, 2], [1, 0], [3, 2], [2, 1], [0, 3]])
     sent = ops.token_dispatch(x, idx, w, 4, None)
-    assert torch.equal(sent.x, x) and sent.recv_pairs.tolist() == [[3, 2, 3, 2]]
-    # pairs grouped by expert: expert 0 first (rows 0, 1, 4), then 1 (rows 1, 3), ...
+    assert sent.tokens_per_expert.tolist() == [3, 2, 3, 2]
+    # pairs grouped by expert: expert 0 gets tokens 0, 1, 4; expert 1 tokens 1, 3; ...
     assert (sent.pair_index // 2).tolist() == [0, 1, 4, 1, 3, 0, 2, 3, 2, 4]
-    y = sent.x * 3
-    back = ops.token_combine(y, sent, None)
+    assert torch.equal(sent.x, x.detach()[sent.pair_index // 2])
+    assert torch.equal(sent.weights, w.flatten()[sent.pair_index])
+    back = ops.token_combine(sent.x * 3, sent, None)
     back.sum().backward()
-    assert torch.equal(back, x.detach() * 3) and torch.equal(x.grad, torch.full_like(x, 3.0))
+    assert torch.allclose(back, x.detach() * 6) and torch.equal(x.grad, torch.full_like(x, 6.0))

@@ -10,8 +10,8 @@ DeepSeek-V3-style multi-token-prediction head of depth 1 (``mtp``).
 Routing modes: ``"dropless"`` (variable split sizes; the dispatch output has a
 data-dependent row count) and ``"capacity"`` (drop-and-pad to a fixed number of
 rows per expert; every shape is static). ``token_dedup=True`` (dropless) sends
-each token once per destination rank with its routing (``ops.token_dispatch``)
-and reduces the weighted expert outputs on the receiving rank before the combine.
+each token once per destination rank with its routing (``ops.token_dispatch``);
+the receiving rank sums a token's weighted expert outputs before the combine.
 """
 
 from __future__ import annotations
@@ -231,15 +231,9 @@ class MoE(nn.Module):
         return (unsorted.view(n_tok, k, -1) * weights.unsqueeze(-1)).sum(1)
 
     def _token_once(self, tokens, weights, idx):
-        k = self.cfg.top_k
         sent = ops.token_dispatch(tokens, idx, weights, self.cfg.n_experts, self.ep_group)
-        rows, dim = sent.x.shape[0], tokens.shape[1]
-        expert_out = self.experts(sent.x.index_select(0, sent.pair_index // k), sent.recv_pairs.sum(0))
-        weighted = expert_out * sent.weights.flatten().index_select(0, sent.pair_index).unsqueeze(-1)
-        # One row per received token: its weighted expert outputs summed (index_copy +
-        # sum, not index_add, so the reduction order is fixed).
-        per_slot = weighted.new_zeros(rows * k, dim).index_copy(0, sent.pair_index, weighted)
-        return ops.token_combine(per_slot.view(rows, k, dim).sum(1), sent, self.ep_group)
+        expert_out = self.experts(sent.x, sent.tokens_per_expert)
+        return ops.token_combine(expert_out * sent.weights.unsqueeze(-1), sent, self.ep_group)
 
     def _capacity(self, tokens, weights, idx):
         n_tok, k, e = tokens.shape[0], self.cfg.top_k, self.cfg.n_experts
