@@ -20,10 +20,9 @@ Layout:
   from each source rank per local expert; ``recv_pairs.sum(0)`` are the group sizes.
 
 One host sync per dispatch (the exchanged counts); the combine and both backward
-all-to-alls reuse the host split lists, cached on the ``recv_rows`` tensor. Pair
-outputs are summed per row with ``index_add_`` (on CUDA an atomic add, so the order
-of the at most k terms of a row is not fixed; ``torch.use_deterministic_algorithms``
-makes it deterministic).
+all-to-alls reuse the host split lists, cached on the ``recv_rows`` tensor. A row's
+pair outputs are summed in slot order with an fp32 accumulator (``row_sum.py``), so
+the combine is deterministic.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fxoverlap.kernels.a2a import _recall, _remember, world_size
+from fxoverlap.kernels.row_sum import sum_per_row
 
 
 def _all_to_all(out_rows: list[int], parts: list[torch.Tensor], in_rows: list[int], group) -> list[torch.Tensor]:
@@ -72,10 +72,6 @@ def _sum_per_token(back: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum over ranks r of back[slot[t, r]]`` (0 where slot is -1), in rank order."""
     padded = torch.cat([back, back.new_zeros(1, *back.shape[1:])])
     return padded[torch.where(slot >= 0, slot, back.shape[0])].sum(1)
-
-
-def _sum_per_row(pairs: torch.Tensor, pair_index: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    return pairs.new_zeros(rows, pairs.shape[1]).index_add_(0, pair_index // k, pairs)
 
 
 def dispatch(
@@ -126,7 +122,7 @@ def dispatch_backward(
     """Gradients of ``dispatch`` for ``x`` (summed over pairs and ranks) and ``w`` (from the owning rank)."""
     send_list, recv_list = _host_splits(slot, recv_rows)
     rows, k = sum(recv_list), idx.shape[1]
-    row_gx = _sum_per_row(grad_x, pair_index, rows, k)
+    row_gx = sum_per_row(grad_x, pair_index, rows, k)
     row_gw = grad_w.new_zeros(rows * k).index_copy_(0, pair_index, grad_w).view(rows, k)
     back_x, back_w = _all_to_all(send_list, [row_gx, row_gw], recv_list, group)
     el = n_experts // slot.shape[1]
@@ -139,7 +135,7 @@ def combine(y: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_
             group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum each received row's pair outputs, send the rows home, sum a token's rows over ranks."""
     send_list, recv_list = _host_splits(slot, recv_rows)
-    rows = _sum_per_row(y, pair_index, sum(recv_list), k)
+    rows = sum_per_row(y, pair_index, sum(recv_list), k)
     (back,) = _all_to_all(send_list, [rows], recv_list, group)
     return _sum_per_token(back, slot)
 

@@ -10,6 +10,7 @@
 * memory: peak ``max_memory_allocated`` of the interleaved program vs eager sequential at
   two microbatch sizes (target <= 1.10).
 * recompute: peak memory of an mHC model (>= 4 layers) with recompute off vs on.
+* row_sum: token dedup's Triton per-row pair sum against its torch fallback.
 * csan: the program (free pass on, delayed wgrad off/on, each routing) under CSAN,
   enabled after the capture (``--checks csan``).
 Prints one ``CHECK {...}`` JSON line per result on rank 0; ``--out`` writes them to a file.
@@ -109,6 +110,40 @@ def check_numerics(device, emit, small=False):
                   ok=err <= tol and loss_err <= tol))
 
 
+def check_row_sum(device, emit):
+    """The Triton per-row pair sum of token dedup against its torch fallback: same
+    values up to fp32 summation order, bitwise repeatable; time against index_add_."""
+    from fxoverlap.kernels import row_sum
+
+    g = torch.Generator(device=device).manual_seed(0)
+    rows, k, dim = 8192, 8, 4096
+    keep = torch.rand(rows * k, generator=g, device=device) < 0.5
+    pair_index = keep.nonzero().flatten()
+    src = torch.randn(pair_index.numel(), dim, generator=g, device=device).bfloat16()
+    got = row_sum.sum_per_row(src, pair_index, rows, k)
+    again = row_sum.sum_per_row(src, pair_index, rows, k)
+    ref = torch.cat([src, src.new_zeros(1, dim)])[row_sum.pair_positions(pair_index, rows, k)].float().sum(1)
+    ulp = (ref.abs() * 2.0 ** -8).clamp_min(2.0 ** -133)
+    err = ((got.float() - ref).abs() / ulp).max().item()
+
+    def timed(fn, reps=20):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    rows_of = pair_index // k
+    emit(dict(check="row_sum", pairs=pair_index.numel(), rows=rows, k=k, dim=dim, max_err_bf16_ulps=err,
+              repeatable=torch.equal(got, again),
+              ms_triton=timed(lambda: row_sum.sum_per_row(src, pair_index, rows, k)),
+              ms_index_add=timed(lambda: src.new_zeros(rows, dim).index_add_(0, rows_of, src)),
+              ok=err <= 1.0 and torch.equal(got, again)))
+
+
 def _peak(fn):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -184,7 +219,8 @@ def main() -> None:
         if name == "numerics":
             check_numerics(device, emit, small=args.small)
         else:
-            {"memory": check_memory, "recompute": check_recompute, "csan": check_csan}[name](device, emit)
+            checks = {"memory": check_memory, "recompute": check_recompute, "csan": check_csan, "row_sum": check_row_sum}
+            checks[name](device, emit)
     if args.out and dist.get_rank() == 0:
         with open(args.out, "a") as f:
             for r in results:

@@ -66,3 +66,21 @@ def test_token_dispatch_single_rank():
     back = ops.token_combine(sent.x * 3, sent, None)
     back.sum().backward()
     assert torch.allclose(back, x.detach() * 6) and torch.equal(x.grad, torch.full_like(x, 6.0))
+
+
+def test_row_sum_matches_a_loop_and_skips_foreign_slots():
+    from fxoverlap.kernels.row_sum import pair_positions, sum_per_row
+
+    torch.manual_seed(0)
+    rows, k, d = 5, 3, 4
+    pair_index = torch.tensor([0, 4, 5, 7, 9, 12, 14])  # slots row * k + j that hold a local expert
+    src = torch.randn(len(pair_index), d)
+    pos = pair_positions(pair_index, rows, k)
+    assert pos[1].tolist() == [7, 1, 2] and pos[3].tolist() == [3, 7, 4]  # 7 = P: no pair there
+    expected = torch.zeros(rows, d)
+    for p, slot in enumerate(pair_index.tolist()):
+        expected[slot // k] += src[p]
+    torch.testing.assert_close(sum_per_row(src, pair_index, rows, k), expected)
+    half = sum_per_row(src.bfloat16(), pair_index, rows, k)
+    assert half.dtype is torch.bfloat16
+    torch.testing.assert_close(half.float(), expected, atol=2e-2, rtol=1e-2)
