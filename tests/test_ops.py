@@ -76,7 +76,7 @@ def test_row_sum_matches_a_loop_and_skips_foreign_slots():
     pair_index = torch.tensor([0, 4, 5, 7, 9, 12, 14])  # slots row * k + j that hold a local expert
     src = torch.randn(len(pair_index), d)
     pos = pair_positions(pair_index, rows, k)
-    assert pos[1].tolist() == [7, 1, 2] and pos[3].tolist() == [3, 7, 4]  # 7 = P: no pair there
+    assert pos[1].tolist() == [7, 1, 2] and pos[4].tolist() == [5, 7, 6]  # 7 = P: no pair there
     expected = torch.zeros(rows, d)
     for p, slot in enumerate(pair_index.tolist()):
         expected[slot // k] += src[p]
