@@ -111,8 +111,10 @@ def check_numerics(device, emit, small=False):
 
 
 def check_row_sum(device, emit):
-    """The Triton per-row pair sum of token dedup against its torch fallback: same
-    values up to fp32 summation order, bitwise repeatable; time against index_add_."""
+    """The Triton per-row pair sum of token dedup against an fp32 reference: the result
+    is rounded to bf16 once (up to 1 unit of |ref| * 2^-8, which is 0.5-1 ulp) plus
+    fp32 summation-order differences, which matter only where terms cancel, hence
+    2 units; bitwise repeatable; time against index_add_."""
     from fxoverlap.kernels import row_sum
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -141,7 +143,7 @@ def check_row_sum(device, emit):
               repeatable=torch.equal(got, again),
               ms_triton=timed(lambda: row_sum.sum_per_row(src, pair_index, rows, k)),
               ms_index_add=timed(lambda: src.new_zeros(rows, dim).index_add_(0, rows_of, src)),
-              ok=err <= 1.0 and torch.equal(got, again)))
+              ok=err <= 2.0 and torch.equal(got, again)))
 
 
 def _peak(fn):
