@@ -91,7 +91,9 @@ def titan(rank: int, world: int, n: int) -> dict:
     engine = fxoverlap.optimize(model, dist.group.WORLD)
     losses = engine.forward_backward(mbs)
     diff, scale, bitwise = grad_diff(model, ref)
-    return dict(stagewise_loss_equal=torch.equal(loss0, ref_losses[0]),
+    comm_ops = {s.name: [o for o in s.op_list() if o.endswith("all_to_all_single")] for s in stages}
+    return dict(misplaced={k: v for k, v in comm_ops.items() if v and not k.endswith(("dispatch", "combine"))},
+                stagewise_loss_equal=torch.equal(loss0, ref_losses[0]),
                 losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
                 diff=diff, scale=scale, bitwise=bitwise,
                 stages=[(s.name, s.stream.value) for s in engine.stages])

@@ -84,6 +84,7 @@ def test_two_calls_accumulate_like_eager():
 def test_torchtitan_style_model():
     for r in _run("titan", 3):
         assert r["stagewise_loss_equal"] and r["losses_equal"], r
+        assert r["misplaced"] == {}, r  # every all-to-all, forward and backward, in a comm stage
         assert _ok(r) and r["bitwise"], r
         kinds = dict(r["stages"])
         assert kinds["fwd_l0_dispatch"] == "comm" and kinds["bwd_l1_combine"] == "comm"
