@@ -265,6 +265,59 @@ class TestSnapshots(expecttest.TestCase):
  2 head     getitem_18 = getitem(nll_loss_forward)
  2 head     getitem_19 = getitem(nll_loss_forward)""")
 
+    def test_token_dedup_layer_tags(self):
+        """The token-once ops: one dispatch and one combine node, the experts between, in
+        both directions (backward comm ops take their forward op's kind)."""
+        torch.manual_seed(0)
+        cfg = MoEConfig.tiny(n_layers=1, dim=32, n_heads=2, n_experts=4, expert_dim=16, vocab_size=32,
+                             token_dedup=True)
+        cap = capture(MoETransformer(cfg), _batch())
+        gm = tag(cap)
+        lines = [
+            line for d in ("fwd", "bwd") for line in render_tagged(gm, d).splitlines()
+            if line.split()[1] in ("dispatch", "experts", "combine")
+        ]
+        self.assertExpectedInline("\n".join(lines), """\
+ 0 dispatch token_dispatch = fxoverlap.token_dispatch(view_7, getitem_7, getitem_6)
+ 0 dispatch getitem_8 = getitem(token_dispatch)
+ 0 dispatch getitem_9 = getitem(token_dispatch)
+ 0 dispatch getitem_10 = getitem(token_dispatch)
+ 0 dispatch getitem_11 = getitem(token_dispatch)
+ 0 dispatch getitem_12 = getitem(token_dispatch)
+ 0 dispatch getitem_13 = getitem(token_dispatch)
+ 0 experts  sum_1 = aten.sum(getitem_10)
+ 0 experts  cumsum = aten.cumsum(sum_1)
+ 0 experts  _to_copy = aten._to_copy(cumsum)
+ 0 experts  grouped_mm = fxoverlap.grouped_mm(getitem_8, primals_9, _to_copy)
+ 0 experts  silu = aten.silu(grouped_mm)
+ 0 experts  grouped_mm_1 = fxoverlap.grouped_mm(getitem_8, primals_10, _to_copy)
+ 0 experts  mul_22 = aten.mul(silu, grouped_mm_1)
+ 0 experts  grouped_mm_2 = fxoverlap.grouped_mm(mul_22, primals_11, _to_copy)
+ 0 experts  unsqueeze = aten.unsqueeze(getitem_9)
+ 0 experts  mul_28 = aten.mul(grouped_mm_2, unsqueeze)
+ 0 combine  token_combine = fxoverlap.token_combine(mul_28, getitem_11, getitem_12, getitem_13)
+ 0 combine  token_combine_backward = fxoverlap.token_combine_backward(view_16, getitem_11, getitem_12, getitem_13)
+ 0 experts  mul_41 = aten.mul(token_combine_backward, grouped_mm_2)
+ 0 experts  mul_42 = aten.mul(token_combine_backward, unsqueeze)
+ 0 experts  sum_4 = aten.sum(mul_41)
+ 0 experts  squeeze = aten.squeeze(sum_4)
+ 0 experts  transpose_4 = aten.transpose(primals_11)
+ 0 experts  grouped_mm_3 = fxoverlap.grouped_mm(mul_42, transpose_4, _to_copy)
+ 0 experts  grouped_mm_wgrad = fxoverlap.grouped_mm_wgrad(mul_22, mul_42, _to_copy)
+ 0 experts  mul_43 = aten.mul(grouped_mm_3, silu)
+ 0 experts  mul_44 = aten.mul(grouped_mm_3, grouped_mm_1)
+ 0 experts  transpose_5 = aten.transpose(primals_10)
+ 0 experts  grouped_mm_4 = fxoverlap.grouped_mm(mul_43, transpose_5, _to_copy)
+ 0 experts  grouped_mm_wgrad_1 = fxoverlap.grouped_mm_wgrad(getitem_8, mul_43, _to_copy)
+ 0 experts  silu_backward = aten.silu_backward(mul_44, grouped_mm)
+ 0 experts  transpose_6 = aten.transpose(primals_9)
+ 0 experts  grouped_mm_5 = fxoverlap.grouped_mm(silu_backward, transpose_6, _to_copy)
+ 0 experts  grouped_mm_wgrad_2 = fxoverlap.grouped_mm_wgrad(getitem_8, silu_backward, _to_copy)
+ 0 experts  add_36 = aten.add(grouped_mm_4, grouped_mm_5)
+ 0 dispatch token_dispatch_backward = fxoverlap.token_dispatch_backward(add_36, squeeze, getitem_7, getitem_11, getitem_12, getitem_13)
+ 0 dispatch getitem_16 = getitem(token_dispatch_backward)
+ 0 dispatch getitem_17 = getitem(token_dispatch_backward)""")
+
     def test_stage_table(self):
         _, _, stages = _stages()
         self.assertExpectedInline(format_stage_table(stages), """\
