@@ -79,6 +79,8 @@ def _two_rank_cases(rank: int, world_size: int) -> dict:
     for routing, pattern in (("dropless", ("dense", "moe")), ("capacity", ("moe", "dense"))):
         cfg = MoEConfig.tiny(n_layers=2, layer_pattern=pattern, shared_expert_dim=32, routing=routing)
         results[routing] = _compare(_moe(cfg, group), cfg.vocab_size, rank)
+    cfg = MoEConfig.tiny(n_layers=2, layer_pattern=("moe", "dense"), shared_expert_dim=32, token_dedup=True, top_k=3)
+    results["dedup"] = _compare(_moe(cfg, group), cfg.vocab_size, rank)
     # torchtitan-style EP: functional collectives (all_to_all_single_autograd), layers in a ModuleDict
     results["titan"] = _compare(functools.partial(TitanTransformer, group), 64, rank, steps=1)
     return results
@@ -115,7 +117,7 @@ def _check_stages(name: str, res: dict, moe_layers: list[int], shared_expert: bo
         assert order.index(f"bwd_l{layer}_attn_early") == order.index(f"bwd_l{layer}_combine") + 1
 
 
-def test_two_ranks_dropless_capacity_and_functional_collectives():
+def test_two_ranks_dropless_capacity_dedup_and_functional_collectives():
     results = run_distributed(_two_rank_cases)
     for rank, per_rank in enumerate(results):
         for case, res in per_rank.items():
