@@ -34,10 +34,16 @@ def rank_failure(rank: int, world: int) -> tuple:
     return "no error", "", time.monotonic() - start
 
 
-def bad_expert_split(rank: int, world: int) -> str:
+def bad_expert_split(rank: int, world: int) -> tuple[str, str]:
     model = MoETransformer(MoEConfig.tiny(n_experts=3, top_k=2))  # built for one rank
+    msgs = ["no error", "no error"]
     try:
         fxoverlap.optimize(model, dist.group.WORLD)
     except ValueError as e:
-        return str(e)
-    return "no error"
+        msgs[0] = str(e)
+    try:
+        fxoverlap.ops.token_dispatch(torch.ones(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), 3,
+                                     dist.group.WORLD)
+    except ValueError as e:
+        msgs[1] = str(e)
+    return tuple(msgs)

@@ -117,11 +117,14 @@ def test_config_errors():
         fxoverlap.OverlapConfig(mhc_recompute_group=0)
     with pytest.raises(ValueError, match="layer_pattern entries"):
         MoEConfig.tiny(layer_pattern=("moe", "mlp"))
+    with pytest.raises(ValueError, match="token_dedup needs routing='dropless'"):
+        MoEConfig.tiny(routing="capacity", token_dedup=True)
 
 
 def test_expert_count_not_divisible_by_group():
-    for msg in run_distributed(error_cases.bad_expert_split):
+    for msg, token_msg in run_distributed(error_cases.bad_expert_split):
         assert "has 3 experts" in msg and "group of 2 ranks" in msg
+        assert "token_dispatch: 3 experts cannot be split" in token_msg and "group of 2 ranks" in token_msg
 
 
 def test_rank_failure_does_not_hang_peers():
