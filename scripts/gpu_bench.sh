@@ -12,7 +12,7 @@
 # 0.19.2 needs torch, numpy, packaging and triton at import; the GPU image has them.
 #
 # For each regime in $REGIMES (nvlink; p2poff = NCCL_P2P_DISABLE=1, which emulates
-# inter-node bandwidth) and each routing in $ROUTINGS (dropless; capacity = factor 1.0;
+# inter-node bandwidth) and each routing in $ROUTINGS (default "dropless dedup"; capacity = factor 1.0;
 # dedup = dropless with each token sent once per rank, which the peer has no
 # counterpart for, so its peer steps are skipped):
 #   [small shape, see SMALL]     python -m fxoverlap.bench (eager + fxoverlap)
@@ -40,7 +40,7 @@ export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 NPROC=${BENCH_NPROC:-2}
 REGIMES=${REGIMES:-"nvlink p2poff"}
-ROUTINGS=${ROUTINGS:-"dropless"}
+ROUTINGS=${ROUTINGS:-"dropless dedup"}
 SMALL=${SMALL:-0}
 PEER=${PEER:-1}
 WARMUP=${WARMUP:-2}
