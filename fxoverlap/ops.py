@@ -1,10 +1,11 @@
-"""fxoverlap's custom ops: EP ``dispatch`` / ``combine`` and the expert grouped GEMM.
+"""fxoverlap's custom ops: EP ``dispatch`` / ``combine`` (a token once per selected
+expert), ``token_dispatch`` / ``token_combine`` (a token once per destination rank,
+with its routing) and the expert grouped GEMM.
 
 They are ``torch.library.custom_op``s with fake kernels and autograd, so the
-capture pass sees each as one node and the backward of a dispatch is a combine
-(and vice versa). Dropless routing gives the dispatch output a data-dependent
-row count: its fake kernel returns an unbacked size, so one capture serves every
-routing outcome.
+capture pass sees each as one node and the backward of a dispatch is one comm op
+too. Dropless routing gives the dispatch output a data-dependent row count: its
+fake kernel returns an unbacked size, so one capture serves every routing outcome.
 """
 
 from __future__ import annotations
