@@ -19,7 +19,8 @@ the rest take a neighbour's by data dependency. Finally every node is moved, if
 needed, to no earlier a stage than its producers, so stages form a DAG in plain
 execution order.
 
-Communication is recognised by op: fxoverlap's ``dispatch``/``combine``,
+Communication is recognised by op: fxoverlap's ``dispatch``/``combine`` and
+``token_dispatch``/``token_combine``,
 functional collectives (``all_to_all_single``, as torchtitan writes EP), DeepEP
 ops, or code marked with ``fxoverlap.region("dispatch" | "combine")``. Among
 unmarked all-to-alls, one whose data input depends (other than through a

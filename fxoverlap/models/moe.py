@@ -71,7 +71,10 @@ class MoEConfig:
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if self.token_dedup and self.routing != "dropless":
-            raise ValueError("MoEConfig.token_dedup needs routing='dropless' (capacity routing sends fixed-size buffers)")
+            raise ValueError(
+                "MoEConfig.token_dedup needs routing='dropless' (capacity routing sends fixed-size buffers "
+                "per expert); set routing='dropless' or token_dedup=False"
+            )
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k must be in [1, n_experts], got {self.top_k}")
 
