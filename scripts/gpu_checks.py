@@ -10,7 +10,7 @@
 * memory: peak ``max_memory_allocated`` of the interleaved program vs eager sequential at
   two microbatch sizes (target <= 1.10).
 * recompute: peak memory of an mHC model (>= 4 layers) with recompute off vs on.
-* row_sum: token dedup's Triton per-row pair sum against its torch fallback.
+* row_sum: token dedup's Triton per-row pair sum against an fp32 reference, and its speed.
 * csan: the program (free pass on, delayed wgrad off/on, each routing) under CSAN,
   enabled after the capture (``--checks csan``).
 Prints one ``CHECK {...}`` JSON line per result on rank 0; ``--out`` writes them to a file.
