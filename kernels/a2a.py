@@ -23,17 +23,18 @@ import torch.distributed as dist
 # computed for. A dispatch pays one device-to-host sync for its counts; the combine
 # of the same tokens and both backward all-to-alls reuse the lists instead of
 # syncing again. Entries die with their tensor (so an id is never reused while
-# cached), and the version counter guards against in-place edits.
-_host_splits: dict[int, tuple[int, tuple[list[int], list[int], list[int]]]] = {}
+# cached), and the version counter guards against in-place edits. The token-once
+# dispatcher (dedup.py) caches its own split lists here the same way.
+_host_splits: dict[int, tuple[int, tuple[list[int], ...]]] = {}
 
 
-def _remember(counts: torch.Tensor, splits: tuple[list[int], list[int], list[int]]) -> None:
+def _remember(counts: torch.Tensor, splits: tuple[list[int], ...]) -> None:
     key = id(counts)
     _host_splits[key] = (counts._version, splits)
     weakref.finalize(counts, _host_splits.pop, key, None)
 
 
-def _recall(counts: torch.Tensor) -> tuple[list[int], list[int], list[int]] | None:
+def _recall(counts: torch.Tensor) -> tuple[list[int], ...] | None:
     hit = _host_splits.get(id(counts))
     return hit[1] if hit is not None and hit[0] == counts._version else None
 
