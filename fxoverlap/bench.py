@@ -165,14 +165,19 @@ def parse_overlap_config(text: str) -> OverlapConfig:
     return OverlapConfig(**kw)
 
 
+def routing_fields(routing: str | None) -> dict:
+    """``MoEConfig`` fields of a routing name; "dedup" is dropless with each token sent once per rank."""
+    if routing == "dedup":
+        return dict(routing="dropless", token_dedup=True)
+    return dict(routing=routing)
+
+
 def model_config(args: argparse.Namespace) -> MoEConfig:
     over = {
         "n_layers": args.layers, "dim": args.dim, "n_heads": args.heads, "n_experts": args.experts,
         "top_k": args.top_k, "expert_dim": args.expert_dim, "shared_expert_dim": args.shared_expert_dim,
-        "vocab_size": args.vocab, "routing": args.routing, "capacity_factor": args.capacity_factor,
+        "vocab_size": args.vocab, "capacity_factor": args.capacity_factor, **routing_fields(args.routing),
     }
-    if args.routing == "dedup":
-        over.update(routing="dropless", token_dedup=True)
     over = {k: v for k, v in over.items() if v is not None}
     cfg = MoEConfig.tiny(**over) if args.tiny else MoEConfig.benchmark(**over)
     if cfg.max_seq_len < args.seq:

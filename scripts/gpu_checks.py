@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import fxoverlap
+from fxoverlap.bench import routing_fields
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import eager_steps, rel_l2, take_grads
 
@@ -47,11 +48,6 @@ def _eager(model, batches):
 ROUTINGS = ("dropless", "capacity", "dedup")
 
 
-def _routing(name: str) -> dict:
-    """MoEConfig fields of a routing name; "dedup" is dropless with each token sent once per rank."""
-    return dict(routing="dropless", token_dedup=True) if name == "dedup" else dict(routing=name)
-
-
 def _model(cfg, device, dtype):
     torch.manual_seed(0)
     return MoETransformer(cfg, dist.group.WORLD).to(device=device, dtype=dtype)
@@ -66,7 +62,7 @@ def check_csan(device, emit):
     results = {}
     for routing in ROUTINGS:
         cfg = MoEConfig.tiny(dim=256, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=128,
-                             shared_expert_dim=128, vocab_size=4096, max_seq_len=256, **_routing(routing),
+                             shared_expert_dim=128, vocab_size=4096, max_seq_len=256, **routing_fields(routing),
                              layer_pattern=("moe", "moe", "dense", "moe"))
         model = _model(cfg, device, torch.bfloat16)
         batches = _batches(cfg, 3, 2, 256, device)
@@ -92,7 +88,7 @@ def check_numerics(device, emit, small=False):
     for routing in ROUTINGS:
         dim, seq = (256, 256) if small else (1024, 1024)
         cfg = MoEConfig.tiny(dim=dim, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=dim // 2,
-                             shared_expert_dim=dim // 2, vocab_size=8192, max_seq_len=seq, **_routing(routing),
+                             shared_expert_dim=dim // 2, vocab_size=8192, max_seq_len=seq, **routing_fields(routing),
                              layer_pattern=("moe", "moe", "dense", "moe"))
         model = _model(cfg, device, torch.bfloat16)
         batches = _batches(cfg, 3, 2, seq, device)

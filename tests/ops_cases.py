@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from fxoverlap import ops
 from fxoverlap.kernels import a2a
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Count the split-list cache misses of the all-to-all ops (each miss is a host sync)."""
+    misses = {"n": 0}
+    recall = a2a._recall
+
+    def counting(c):
+        hit = recall(c)
+        misses["n"] += hit is None
+        return hit
+
+    a2a._recall = counting
+    try:
+        yield misses
+    finally:
+        a2a._recall = recall
 
 
 def roundtrip(rank: int, world: int, n_experts: int) -> dict:
@@ -23,16 +43,7 @@ def roundtrip(rank: int, world: int, n_experts: int) -> dict:
     expert_of_row = torch.repeat_interleave(torch.arange(n_experts), counts)
     x = torch.stack([torch.full((rows,), float(rank)), expert_of_row.float(), torch.arange(rows).float()], 1)
     x = torch.cat([x, torch.zeros(rows, 1)], 1).requires_grad_()
-    misses = {"n": 0}
-    recall = a2a._recall
-
-    def counting(c):
-        hit = recall(c)
-        misses["n"] += hit is None
-        return hit
-
-    a2a._recall = counting
-    try:
+    with count_host_syncs() as misses:
         y, recv = ops.dispatch(x, counts, dist.group.WORLD)
         local = n_experts // world
         expected_experts = torch.arange(rank * local, (rank + 1) * local)
@@ -40,8 +51,6 @@ def roundtrip(rank: int, world: int, n_experts: int) -> dict:
             (y[:, 1].diff() >= 0).all())
         back = ops.combine(y * 2, recv, counts, dist.group.WORLD, rows)
         back.sum().backward()
-    finally:
-        a2a._recall = recall
     return dict(
         roundtrip=torch.equal(back, x.detach() * 2), grad=torch.equal(x.grad, torch.full_like(x, 2.0)),
         layout=ok_layout, recv_rows=int(recv.sum()), y_rows=y.shape[0], host_syncs=misses["n"],
@@ -63,22 +72,11 @@ def token_roundtrip(rank: int, world: int, n_experts: int, k: int) -> dict:
     x = torch.cat([torch.full((t, 1), float(rank)), torch.arange(t).float().unsqueeze(1),
                    torch.randn(t, 2, generator=g)], 1).requires_grad_()
     w = torch.rand(t, k, generator=g).requires_grad_()
-    misses = {"n": 0}
-    recall = a2a._recall
-
-    def counting(c):
-        hit = recall(c)
-        misses["n"] += hit is None
-        return hit
-
-    a2a._recall = counting
-    try:
+    with count_host_syncs() as misses:
         sent = ops.token_dispatch(x, idx, w, n_experts, dist.group.WORLD)
         out = ops.token_combine(sent.x * sent.weights.unsqueeze(-1), sent, dist.group.WORLD)
         probe = torch.randn(t, 4, generator=g)
         (out * probe).sum().backward()
-    finally:
-        a2a._recall = recall
     # every pair's (source, token, weight) against the sender's routing, gathered from all ranks
     routing = [torch.zeros(t, k, dtype=torch.long) for _ in range(world)]
     weights = [torch.zeros(t, k) for _ in range(world)]
