@@ -1,47 +1,44 @@
-"""``torch.compile(model, backend="fxoverlap")``: the stage split, streams and
-intra-microbatch overlap for one microbatch per call, under torch.compile.
+"""``torch.compile(model, backend="fxoverlap")``: fxoverlap's stages, streams and compiled
+kernels for one microbatch per call, under torch.compile.
 
-Design (and why not ``aot_autograd(fw_compiler=..., bw_compiler=...)``)
-----------------------------------------------------------------------
-Dynamo hands the backend its forward GraphModule, parameters lifted to graph
-inputs. The backend
+What is Dynamo-specific lives here; everything else is the engine's pipeline
+(``fxoverlap/pipeline.py``) and runtime (``ProgramRunner``): one set of passes, one
+runtime, one free plan, one way to compile stages. Dynamo hands the backend its
+forward GraphModule, parameters lifted to graph inputs. The backend
 
 1. **annotates layers** (:func:`annotate_layers`): the decoder layer of every
    Dynamo node comes from its ``nn_module_stack`` (``L['self'].layers.0.moe...``),
-   written into ``node.meta["custom"]`` under the same keys the capture pass's
-   hooks write (``fxoverlap_layer``, ``fxoverlap_child``);
+   written into ``node.meta["custom"]`` under the keys the capture pass's hooks
+   write for ``optimize``;
 2. **captures the joint graph** of the Dynamo graph with the ordinary capture pass
-   (``aot_export_joint_with_descriptors``, no decompositions): a thin module
-   (:class:`_GraphStep`) holds the differentiable graph inputs as parameters and
-   runs the Dynamo graph through an ``fx.Interpreter`` under
+   (``scalar_loss=False``: the graph may return logits or several tensors): a thin
+   module (:class:`_GraphStep`) holds the differentiable graph inputs as parameters
+   and runs the Dynamo graph through an ``fx.Interpreter`` under
    ``preserve_node_meta``, so every aten node inherits the annotation of the
    Dynamo node it came from, and backward nodes carry ``seq_nr``;
-3. reuses **tag → split** unchanged, then splits each MoE layer's ``attn``
-   stages once more for intra-microbatch overlap (:func:`split_for_overlap`):
-   forward attn work the dispatch does not need (the shared expert, routing
-   weights) runs after the dispatch is issued; backward attn work that does not
-   need the backward dispatch's output (shared-expert and router backward) runs
-   right after the backward combine is issued;
-4. emits a one-microbatch program and runs the **streams** pass on it (comm stages
-   on the comm stream, events on cross-stream edges; no-ops on CPU);
-5. returns a :class:`CompiledStep` whose call runs the forward stages inside one
-   ``torch.autograd.Function``; its backward seeds the incoming loss gradient,
-   runs the backward stages and returns the input gradients, so autograd's
-   ``AccumulateGrad`` fills ``p.grad`` exactly as in eager.
+3. builds the stages and a one-microbatch program with the engine's pipeline:
+   tag, side (the attn work a dispatch does not need runs under it), split,
+   Inductor-compiled compute stages (the default on CUDA), schedule, streams, free;
+4. returns a :class:`CompiledStep` whose call runs the program's forward part inside
+   one ``torch.autograd.Function``; its backward seeds each output's incoming
+   gradient as that output's tangent, runs the backward part and returns the input
+   gradients, so autograd's ``AccumulateGrad`` fills ``p.grad`` exactly as in eager.
+   Buffers (and inputs) the forward updates in place are updated right after the
+   stage that computes their new value.
 
 One joint graph instead of AOT's forward and backward compilers: the tag pass
-maps backward nodes to forward nodes by ``seq_nr`` within one graph and can be
-reused as it is; what crosses from forward to backward is exactly what the
-backward formulas read (no partitioner choices, no recompute), which is what
-eager saves, so gradients stay bitwise equal to eager's; and every decision,
-including the fallback, is taken at compile time (AOT compiles the backward
-lazily, at the first ``backward()``, where falling back is no longer possible).
+maps backward nodes to forward nodes by ``seq_nr`` within one graph; what
+crosses from forward to backward is exactly what the backward formulas read
+(what eager saves), so with ``compiler="eager"`` gradients are bitwise equal to
+eager's; and every decision, including the fallback, is taken at compile time (AOT
+compiles the backward lazily, at the first ``backward()``, where falling back is
+no longer possible).
 
-Fallback: anything the backend cannot handle (graph breaks leave pieces whose
-output is not a scalar loss, dynamic-shape graph inputs, no gradient needed,
-a capture/tag/split error) makes it return the plain Dynamo GraphModule, which
-runs like eager, with a :class:`FallbackWarning` (also logged) that names the
-reason. Under ``torch.no_grad()`` the plain graph runs too, without a warning.
+Fallback: anything the backend cannot handle (dynamic-shape graph inputs, a
+graph output that is not a tensor, no output needing grad, a capture/tag/split
+error) makes it return the plain Dynamo GraphModule, which runs like eager, with a
+:class:`FallbackWarning` (also logged) that names the reason. Under
+``torch.no_grad()`` the plain graph runs too, without a warning.
 
 Dropless routing gives ``fxoverlap::dispatch`` a data-dependent output size,
 which Dynamo graph-breaks on unless
@@ -55,18 +52,16 @@ recent :class:`CompiledStep` (``.stages``, ``.program``, ``.capture``,
 
 Limits: one microbatch per call, so only intra-microbatch overlap (the
 interleaved 1F1B program is ``fxoverlap.optimize``'s); static shapes only (a
-recompile that Dynamo makes dynamic falls back: use ``dynamic=False``); the
-compiled graph must return one scalar loss (pieces left by a graph break fall
-back); no buffer or input mutation in the forward (falls back); no double
+recompile that Dynamo makes dynamic falls back: use ``dynamic=False``); no double
 backward or ``retain_graph=True`` (a second backward raises).
 
-Options: ``torch.compile(model, backend=functools.partial(fxoverlap_backend,
-layer_container="layers", overlap=False))``.
+Options: ``torch.compile(model, backend="fxoverlap", options={...})`` with
+``OverlapConfig`` fields and Inductor options (:func:`backend_config`), or
+``backend=functools.partial(fxoverlap_backend, layer_container="layers")``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import re
@@ -78,24 +73,22 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from fxoverlap import program_ops
-from fxoverlap.passes.capture import CHILD_KEY, Capture, capture
-from fxoverlap.passes.schedule import StageCall
-from fxoverlap.passes.split import build_stage_module, split, stage_boundary
-from fxoverlap.passes.streams import streams
-from fxoverlap.passes.tag import TAG_KEY, tag
-from fxoverlap.region import LAYER_KEY
-from fxoverlap.stage import Direction, Stage, StageKind
+from fxoverlap.config import OverlapConfig
+from fxoverlap.meta import CHILD_KEY, LAYER_KEY
+from fxoverlap.passes.capture import Capture, capture
+from fxoverlap.pipeline import build_program, build_stages
+from fxoverlap.runtime import ProgramRunner, RunState
+from fxoverlap.stage import Stage
 
 __all__ = [
     "CompiledStep",
     "FallbackWarning",
     "annotate_layers",
+    "backend_config",
     "fxoverlap_backend",
     "last_compiled",
     "last_stages",
     "reset",
-    "split_for_overlap",
 ]
 
 log = logging.getLogger("fxoverlap.backend")
@@ -260,7 +253,7 @@ class _GraphStep(nn.Module):
         for i in self.diff_index:
             self.register_parameter(f"in{i}", nn.Parameter(example_inputs[i].detach(), requires_grad=True))
 
-    def forward(self, *plain: torch.Tensor) -> torch.Tensor:
+    def forward(self, *plain: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args: list = [None] * self.num_inputs
         for i in self.diff_index:
             args[i] = getattr(self, f"in{i}")
@@ -268,122 +261,7 @@ class _GraphStep(nn.Module):
             args[i] = t
         with fx_traceback.preserve_node_meta():
             out = torch.fx.Interpreter(self.g).run(*args)
-        return out[0] if isinstance(out, (tuple, list)) else out
-
-
-# ------------------------------------------------------------------ intra-microbatch overlap
-
-
-def _sub_stage(gm: torch.fx.GraphModule, parent: Stage, nodes: list[torch.fx.Node], name: str) -> Stage:
-    inputs, outputs = stage_boundary(nodes)
-    return Stage(
-        name=name, layer=parent.layer, kind=parent.kind, direction=parent.direction, stream=parent.stream,
-        graph_module=build_stage_module(gm, nodes, inputs, outputs, name), inputs=inputs, outputs=outputs,
-        capturable=parent.capturable, not_capturable_reason=parent.not_capturable_reason,
-    )
-
-
-def split_for_overlap(gm: torch.fx.GraphModule, stages: list[Stage]) -> tuple[list[Stage], dict[str, str]]:
-    """Split each MoE layer's attn stages so part of them can overlap that layer's all-to-all.
-
-    Forward: ``attn`` keeps what the dispatch needs; ``attn_side`` (e.g. the shared
-    expert) gets the rest. Backward: ``attn_early`` is what does not depend on the
-    backward dispatch's output (shared-expert and router backward); ``attn`` the rest.
-    Returns the stages (plain order still valid) and ``{moved stage: stage it should
-    follow}`` for the emitter.
-    """
-    by_tag: dict = {}
-    for n in gm.graph.nodes:
-        t = n.meta.get(TAG_KEY)
-        if t is not None:
-            by_tag.setdefault(t, []).append(n)
-    index = {(s.direction, s.layer, s.kind): s for s in stages}
-    out: list[Stage] = []
-    after: dict[str, str] = {}
-    for s in stages:
-        if s.kind is not StageKind.ATTN:
-            out.append(s)
-            continue
-        nodes = by_tag.get(s.tag, [])
-        if s.direction is Direction.FWD:
-            comm = index.get((Direction.FWD, s.layer, StageKind.DISPATCH))
-            if comm is None:
-                out.append(s)
-                continue
-            wanted = set(comm.inputs)
-            keep: set[torch.fx.Node] = set()
-            for n in reversed(nodes):  # ancestors (within the stage) of the dispatch's inputs
-                if n.name in wanted or any(u in keep for u in n.users):
-                    keep.add(n)
-            first = [n for n in nodes if n in keep]
-            second = [n for n in nodes if n not in keep]
-            if not first or not second:
-                out.append(s)
-                continue
-            a, b = _sub_stage(gm, s, first, s.name), _sub_stage(gm, s, second, s.name + "_side")
-            after[b.name] = comm.name
-            out += [a, b]
-        else:
-            comm = index.get((Direction.BWD, s.layer, StageKind.DISPATCH))
-            anchor = index.get((Direction.BWD, s.layer, StageKind.COMBINE))
-            if comm is None or anchor is None:
-                out.append(s)
-                continue
-            late_in = set(comm.outputs)
-            late: set[torch.fx.Node] = set()
-            for n in nodes:  # descendants (within the stage) of the backward dispatch's outputs
-                if any(p.name in late_in or p in late for p in n.all_input_nodes):
-                    late.add(n)
-            first = [n for n in nodes if n not in late]
-            second = [n for n in nodes if n in late]
-            if not first or not second:
-                out.append(s)
-                continue
-            a, b = _sub_stage(gm, s, first, s.name + "_early"), _sub_stage(gm, s, second, s.name)
-            after[a.name] = anchor.name
-            out += [a, b]
-    return out, after
-
-
-def _order(stages: list[Stage], after: dict[str, str]) -> list[Stage]:
-    """Plain order, with each stage of ``after`` moved right behind its anchor where its
-    inputs allow it (a move that would read a value not yet produced is not made)."""
-    order = list(stages)
-    producer = {o: s.name for s in stages for o in s.outputs}
-    for name, anchor in after.items():
-        trial = [s for s in order if s.name != name]
-        moved = next(s for s in order if s.name == name)
-        pos = next(i for i, s in enumerate(trial) if s.name == anchor) + 1
-        trial.insert(pos, moved)
-        if _valid(trial, producer):
-            order = trial
-        else:
-            log.info("fxoverlap backend: %s stays in place (it reads a value produced after %s)", name, anchor)
-    return order
-
-
-def _valid(order: list[Stage], producer: dict[str, str]) -> bool:
-    done: set[str] = set()
-    for s in order:
-        if any(i in producer and producer[i] not in done for i in s.inputs):
-            return False
-        done.add(s.name)
-    return True
-
-
-def emit_program(order: list[Stage]) -> torch.fx.GraphModule:
-    """A one-microbatch program in the schedule pass's format (stage calls in ``order``)."""
-    root, graph = nn.Module(), torch.fx.Graph()
-    for s in order:
-        root.add_module(s.name, StageCall(s))
-        node = graph.call_module(s.name, (0,))
-        node.name = f"{'F' if s.direction is Direction.FWD else 'B'}0_{s.name.split('_', 1)[1]}"
-        node.meta["stage"] = s.name
-        node.meta["microbatch"] = 0
-    graph.output(None)
-    gm = torch.fx.GraphModule(root, graph, class_name="Program")
-    gm.meta = {"num_microbatches": 1}
-    return gm
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 # ------------------------------------------------------------------ the compiled artefact
@@ -392,158 +270,72 @@ def emit_program(order: list[Stage]) -> torch.fx.GraphModule:
 class _StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: CompiledStep, *args):
-        loss, state = step._run_forward(args)
+        outs, state = step._run_forward(args)
         ctx.step, ctx.state = step, state
-        return loss
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, step._differentiable) if not d))
+        return outs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
+    def backward(ctx, *grad_outputs):
         state, ctx.state = ctx.state, None
         if state is None:
             raise RuntimeError(
                 "fxoverlap backend: backward through a compiled step ran twice (retain_graph=True); "
                 "the step's saved values are freed by its first backward"
             )
-        grads = ctx.step._run_backward(state, grad_loss, ctx.needs_input_grad[1:])
+        grads = ctx.step._run_backward(state, grad_outputs, ctx.needs_input_grad[1:])
         return (None, *grads)
 
 
-@dataclasses.dataclass
-class _State:
-    store: dict
-    stream_of: dict
-    events: dict
-    streams: dict
-
-
 class CompiledStep:
-    """What the backend returns for a graph: forward stages in an autograd.Function whose
-    backward runs the backward stages. ``.stages`` and ``.program`` for introspection."""
+    """What the backend returns for a graph: the forward part of its program in an
+    autograd.Function whose backward runs the backward part, both on the engine's
+    runtime. ``.stages``, ``.program`` and ``.stage_table()`` for introspection."""
 
-    def __init__(self, gm, capture_: Capture, stages: list[Stage], program: torch.fx.GraphModule,
-                 wrapper: _GraphStep, comm_stream_priority: int = -1):
+    def __init__(self, gm: torch.fx.GraphModule, capture_: Capture, stages: list[Stage],
+                 program: torch.fx.GraphModule, wrapper: _GraphStep, config: OverlapConfig, device: torch.device):
         self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
-        self._by_name = {s.name: s for s in stages}
-        self._comm_priority = comm_stream_priority
-        # where each placeholder of the joint graph comes from
-        fqn_index = {f"in{i}": i for i in wrapper.diff_index}
-        self._param_src = [(ph, fqn_index[fqn]) for ph, fqn in capture_.param_placeholders.items()]
-        self._input_src = list(zip(capture_.input_placeholders, wrapper.plain_index))
+        self.runner = ProgramRunner(program, stages, capture_, device, grads=None,
+                                    comm_stream_priority=config.comm_stream_priority)
+        # where each placeholder of the joint graph comes from: a graph input index
+        index_of = {f"in{i}": i for i in wrapper.diff_index}
+        self._static_src = [(ph, index_of[fqn]) for ph, fqn in capture_.param_placeholders.items()]
         self._buffers = {ph: wrapper.get_buffer(fqn) for ph, fqn in capture_.buffer_placeholders.items()}
-        self._grad_of = {}  # input index -> value name of its gradient
-        for name, fqn in zip(capture_.output_names[1:], capture_.grad_targets):
-            if name is not None and fqn in fqn_index:
-                self._grad_of[fqn_index[fqn]] = name
-        keep = {n for n in capture_.output_names if n is not None}
-        nodes = list(program.graph.nodes)
-        calls = [n for n in nodes if n.op == "call_module"]
-        last_fwd = max((i for i, n in enumerate(nodes) if n.op == "call_module"
-                        and self._by_name[n.meta["stage"]].direction is Direction.FWD), default=-1)
-        cut = last_fwd + 1
-        while cut < len(nodes) and nodes[cut].op == "call_function" and nodes[cut].target is program_ops.record_event:
-            cut += 1
-        self._fwd_nodes, self._bwd_nodes = nodes[:cut], nodes[cut:]
-        # free each value after the stage call that reads it last
-        last_read: dict[str, torch.fx.Node] = {}
-        for n in calls:
-            for v in self._by_name[n.meta["stage"]].inputs:
-                last_read[v] = n
-        self._free_after: dict[torch.fx.Node, list[str]] = {}
-        for v, n in last_read.items():
-            if v not in keep:
-                self._free_after.setdefault(n, []).append(v)
-        self._loss_needed_later = capture_.loss_name in last_read
+        self._input_src = list(wrapper.plain_index)
+        self._grad_of = {index_of[fqn]: v for v, fqn in capture_.grads.items() if fqn in index_of}
+        seeded = set(capture_.tangents.values())
+        self._differentiable = [o in seeded for o in capture_.outputs]
+        self._tangent_pos = [capture_.outputs.index(o) for o in capture_.tangents.values()]
 
-    # ---- introspection
     def stage_table(self) -> str:
         from fxoverlap.engine import format_stage_table
 
         return format_stage_table(self.stages)
 
-    # ---- running
     def __call__(self, *args):
         if not torch.is_grad_enabled():
             return self.gm(*args)
-        return (_StepFunction.apply(self, *args),)
+        outs = _StepFunction.apply(self, *args)
+        return outs if isinstance(outs, tuple) else (outs,)
 
-    def _streams(self, args) -> dict:
-        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        if dev.type != "cuda":
-            return {}
-        comm = getattr(self, "_comm_stream", None)
-        if comm is None or comm.device != dev:
-            comm = self._comm_stream = torch.cuda.Stream(dev, priority=self._comm_priority)
-        return {"comp": torch.cuda.current_stream(dev), "comm": comm}
+    def _run_forward(self, args) -> tuple[tuple, RunState]:
+        static = dict(self._buffers)
+        static.update((ph, args[i]) for ph, i in self._static_src)
+        state = self.runner.start(static, [[args[i] for i in self._input_src]], tangents=[()])
+        self.runner.execute(state, "forward")
+        outs = state.outputs[0]
+        return tuple(outs.pop(o) for o in self.capture.outputs), state
 
-    def _run_forward(self, args):
-        store = dict(self._buffers)
-        for ph, i in self._param_src:
-            store[ph] = args[i]
-        for ph, i in self._input_src:
-            store[ph] = args[i]
-        state = _State(store, {}, {}, self._streams(args))
-        self._walk(self._fwd_nodes, state)
-        if state.streams:
-            state.streams["comp"].wait_stream(state.streams["comm"])
-        loss = store[self.capture.loss_name]
-        # keep no reference to the Function's output in its ctx (a reference cycle)
-        if self._loss_needed_later:
-            store[self.capture.loss_name] = loss.detach()
-        else:
-            del store[self.capture.loss_name]
-        return loss, state
-
-    def _run_backward(self, state: _State, grad_loss, needs_grad) -> list:
-        if state.streams:
-            state.streams["comp"] = torch.cuda.current_stream(state.streams["comm"].device)
-            state.streams["comm"].wait_stream(state.streams["comp"])
-        state.store[self.capture.tangent_placeholder] = grad_loss
-        with torch.no_grad():
-            self._walk(self._bwd_nodes, state)
+    def _run_backward(self, state: RunState, grad_outputs, needs_grad) -> list:
+        self.runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
+        self.runner.execute(state, "backward")
         grads = [None] * len(needs_grad)
-        for i, name in self._grad_of.items():
+        for i, v in self._grad_of.items():
             if needs_grad[i]:
-                grads[i] = state.store.get(name)
-        state.store.clear()
+                grads[i] = state.outputs[0].get(v)
+        state.stores.clear()
         return grads
-
-    def _walk(self, nodes: list[torch.fx.Node], state: _State) -> None:
-        from fxoverlap.runtime import StageFailed
-
-        store, streams_ = state.store, state.streams
-        for node in nodes:
-            if node.op == "call_module":
-                stage = self._by_name[node.meta["stage"]]
-                stream = node.kwargs.get("stream")
-                ctx = torch.cuda.stream(streams_[stream]) if streams_ and stream else contextlib.nullcontext()
-                with ctx:
-                    args = [store[i] for i in stage.inputs]
-                    if streams_:
-                        for v, a in zip(stage.inputs, args):
-                            if state.stream_of.get(v, "comp") != stream and isinstance(a, torch.Tensor):
-                                a.record_stream(streams_[stream])
-                    try:
-                        outs = stage.graph_module(*args)
-                    except Exception as e:
-                        raise StageFailed(
-                            f"stage {stage.name} (layer {stage.layer}, {stage.kind}, {stage.direction}) "
-                            f"failed: {type(e).__name__}: {e}"
-                        ) from e
-                del args
-                for v, o in zip(stage.outputs, outs):
-                    store[v] = o
-                    state.stream_of[v] = stream or "comp"
-                for v in self._free_after.get(node, ()):
-                    store.pop(v, None)
-            elif node.op == "call_function" and streams_:
-                name, stream = node.args
-                if node.target is program_ops.record_event:
-                    ev = torch.cuda.Event()
-                    ev.record(streams_[stream])
-                    state.events[name] = ev
-                elif node.target is program_ops.wait_event:
-                    streams_[stream].wait_event(state.events[name])
 
 
 # ------------------------------------------------------------------ the backend
@@ -578,67 +370,78 @@ def _check_supported(gm: torch.fx.GraphModule, example_inputs) -> None:
         )
     out = next(iter(gm.graph.find_nodes(op="output")))
     vals = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    if len(vals) != 1 or not isinstance(vals[0], torch.fx.Node):
+    evs = [v.meta.get("example_value") if isinstance(v, torch.fx.Node) else v for v in vals]
+    if bad := [i for i, ev in enumerate(evs) if not isinstance(ev, torch.Tensor)]:
         raise _Unsupported(
-            f"the graph returns {len(vals)} values; fxoverlap compiles a train step that returns one "
-            f"scalar loss (a graph break leaves such pieces; see TORCH_LOGS=graph_breaks)"
+            f"graph output {bad[0]} is {'None' if evs[bad[0]] is None else type(evs[bad[0]]).__name__}, not a "
+            f"tensor; fxoverlap compiles graphs whose outputs are tensors"
         )
-    ev = vals[0].meta.get("example_value")
-    if not isinstance(ev, torch.Tensor) or ev.dim() != 0 or not ev.is_floating_point():
-        what = f"a tensor of shape {list(ev.shape)}" if isinstance(ev, torch.Tensor) else type(ev).__name__
-        raise _Unsupported(
-            f"the graph returns {what}, not a scalar floating-point loss (a graph break leaves such "
-            f"pieces; see TORCH_LOGS=graph_breaks)"
-        )
-    if not ev.requires_grad:
-        raise _Unsupported("the loss does not require grad (nothing to train)")
+    if not any(ev.requires_grad for ev in evs):
+        raise _Unsupported("no output of the graph requires grad (nothing to train)")
 
 
-def compile_step(
-    gm: torch.fx.GraphModule, example_inputs, *, layer_container: str | None = None, overlap: bool = True,
-    comm_stream_priority: int = -1,
-) -> CompiledStep:
+_ALIASES = {"overlap": "side_stages"}
+
+
+def backend_config(options: dict | None = None, mode: str | None = None, **kwargs) -> OverlapConfig:
+    """The :class:`OverlapConfig` for ``torch.compile(model, backend="fxoverlap", mode=..., options=...)``.
+
+    Keys of ``options`` (and keyword options of ``functools.partial(fxoverlap_backend, ...)``)
+    that name an ``OverlapConfig`` field set it (``overlap`` is ``side_stages``); the rest
+    are Inductor options for the compiled stages (``compile_options``), as
+    ``torch.compile(options=...)`` passes them to Inductor. ``mode="reduce-overhead"``
+    turns on CUDA graphs; ``mode="max-autotune"`` Inductor's autotuning.
+    """
+    fields = {f.name for f in dataclasses.fields(OverlapConfig)}
+    cfg: dict = {}
+    inductor_opts: dict = {}
+    for k, v in {**(options or {}), **kwargs}.items():
+        k = _ALIASES.get(k, k)
+        (cfg if k in fields else inductor_opts)[k] = v
+    if mode == "reduce-overhead":
+        cfg.setdefault("cuda_graphs", True)
+    elif mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        inductor_opts.setdefault("max_autotune", True)
+    elif mode not in (None, "default"):
+        raise ValueError(f"fxoverlap backend: unknown mode {mode!r}")
+    if inductor_opts:
+        cfg["compile_options"] = {**(cfg.get("compile_options") or {}), **inductor_opts}
+    return OverlapConfig(**cfg)
+
+
+def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig | None = None) -> CompiledStep:
     """Build the :class:`CompiledStep` for a Dynamo graph; raises when it cannot."""
+    config = config or OverlapConfig()
     _check_supported(gm, example_inputs)
     diff = {n.name for n, t in zip(gm.graph.find_nodes(op="placeholder"), example_inputs) if t.requires_grad}
-    info = annotate_layers(gm, diff, layer_container)
+    info = annotate_layers(gm, diff, config.layer_container)
     wrapper = _GraphStep(gm, example_inputs)
     plain = [example_inputs[i] for i in wrapper.plain_index]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # tag's "no layers found" is reported below
-        cap = capture(wrapper, plain)
-        fields = {f.name for f in dataclasses.fields(cap)}
-        layer_fields = {k: v for k, v in (("param_children", info.param_children), ("ffn_child", info.ffn_child))
-                        if k in fields}
+        cap = capture(wrapper, plain, scalar_loss=False)
         cap = dataclasses.replace(
-            cap, num_layers=info.num_layers,
-            layer_names=[".".join(info.container + (n,)) for n in info.layer_names], **layer_fields,
+            cap, num_layers=info.num_layers, param_children=info.param_children,
+            layer_names=[".".join(info.container + (n,)) for n in info.layer_names],
         )
-        tagged = tag(cap)
-    stages = split(tagged, cap.num_layers)
-    after: dict[str, str] = {}
-    if overlap:
-        stages, after = split_for_overlap(tagged, stages)
-    order = _order(stages, after)
-    program = streams(emit_program(order), order)
+        device = next((t.device for t in example_inputs if t.requires_grad), example_inputs[0].device)
+        stages = build_stages(cap, config, device.type)
+    program = build_program(stages, cap, 1, config)
     if info.num_layers == 0:
         log.warning("fxoverlap backend: no decoder layers found in the graph; one stage per direction, no overlap")
-    return CompiledStep(gm, cap, order, program, wrapper, comm_stream_priority)
+    return CompiledStep(gm, cap, stages, program, wrapper, config, device)
 
 
-def fxoverlap_backend(gm: torch.fx.GraphModule, example_inputs, **options):
-    """The ``"fxoverlap"`` torch.compile backend (see the module docstring).
-
-    ``options``: ``layer_container`` (attribute path of the decoder layers),
-    ``overlap`` (intra-microbatch overlap split, default True),
-    ``comm_stream_priority`` (CUDA priority of the comm stream, default -1).
-    """
+def fxoverlap_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
+                      mode: str | None = None, **kwargs):
+    """The ``"fxoverlap"`` torch.compile backend (see the module docstring and :func:`backend_config`)."""
     global _last
     if not torch.is_grad_enabled():
         log.info("fxoverlap backend: grad mode is off; running the graph as it is")
         return gm.forward
+    config = backend_config(options, mode, **kwargs)
     try:
-        step = compile_step(gm, example_inputs, **options)
+        step = compile_step(gm, example_inputs, config)
     except _Unsupported as e:
         return _fallback(gm, str(e))
     except Exception as e:  # a pass could not handle the graph: never a wrong answer

@@ -70,7 +70,8 @@ import torch.distributed as dist
 import fxoverlap
 from fxoverlap.config import OverlapConfig
 from fxoverlap.models.moe import MoEConfig, MoETransformer
-from fxoverlap.runtime import ProgramRunner
+from fxoverlap.program_ops import stage_calls
+from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
 
 MODES = ("eager", "fxoverlap")
 COMP, COMM = "comp", "comm"
@@ -199,17 +200,9 @@ class ProgramCall:
     slot: tuple | None
 
 
-def program_calls(program: torch.fx.GraphModule, stages: Sequence) -> list[ProgramCall]:
+def program_calls(program: torch.fx.GraphModule) -> list[ProgramCall]:
     """The stage calls of ``program`` in the order the runtime makes them."""
-    stream_of = {s.name: str(s.stream) for s in stages}
-    out = []
-    for n in program.graph.nodes:
-        if n.op != "call_module":
-            continue
-        stage = n.meta["stage"]
-        out.append(ProgramCall(n.name, stage, n.meta["microbatch"], n.kwargs.get("stream") or stream_of[stage],
-                               n.meta.get("slot")))
-    return out
+    return [ProgramCall(n.name, st.stage, st.microbatch, st.stream.value, st.slot) for n, st in stage_calls(program)]
 
 
 def serial_and_bound(calls: Sequence[ProgramCall], times: dict[str, float]) -> dict[str, float]:
@@ -312,24 +305,48 @@ def timeline_stats(timelines: Sequence[Sequence[dict]], stage_ms: dict[str, floa
 # ---------------------------------------------------------------- stage probes
 
 
+class _StageTimer:
+    """A runner hook that runs each stage alone (synchronised) and records its time in ms
+    under its program node name: for T_serial / T_bound."""
+
+    def __init__(self, cuda: bool, device: torch.device):
+        self.cuda, self.device = cuda, device
+        self.times: dict[str, float] = {}
+
+    def __call__(self, node, stage, run):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            outs = run()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            self.times[node.name] = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            outs = run()
+            self.times[node.name] = (time.perf_counter() - t0) * 1e3
+        return outs
+
+
 class _Probe:
-    """Stands in for a stage's graph module: labels it for the profiler and times it."""
+    """A runner hook that labels each stage call for the profiler and marks its start and end."""
 
-    def __init__(self, gm: Callable, stage_name: str, recorder: "_Recorder"):
-        self.gm, self.stage_name, self.recorder = gm, stage_name, recorder
+    def __init__(self, recorder: "_Recorder"):
+        self.recorder = recorder
 
-    def __call__(self, *args):
-        call = self.recorder.next_call(self.stage_name)
+    def __call__(self, node, stage, run):
+        call = self.recorder.next_call(node.name)
         with torch.profiler.record_function(f"fxoverlap.stage {call.name}"):
             if self.recorder.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                out = self.gm(*args)
+                out = run()
                 end.record()
                 self.recorder.marks.append((call, start, end))
             else:
                 t0 = time.perf_counter()
-                out = self.gm(*args)
+                out = run()
                 self.recorder.marks.append((call, t0, time.perf_counter()))
         return out
 
@@ -340,10 +357,10 @@ class _Recorder:
         self.marks: list[tuple[ProgramCall, Any, Any]] = []
         self.origin: Any = None
 
-    def next_call(self, stage_name: str) -> ProgramCall:
-        if self.i >= len(self.calls) or self.calls[self.i].stage != stage_name:
-            want = self.calls[self.i].stage if self.i < len(self.calls) else "nothing"
-            raise RuntimeError(f"bench probe: the runtime called stage {stage_name} where the program has {want}")
+    def next_call(self, node_name: str) -> ProgramCall:
+        if self.i >= len(self.calls) or self.calls[self.i].name != node_name:
+            want = self.calls[self.i].name if self.i < len(self.calls) else "nothing"
+            raise RuntimeError(f"bench probe: the runtime called {node_name} where the program has {want}")
         self.i += 1
         return self.calls[self.i - 1]
 
@@ -501,29 +518,31 @@ class Bench:
 
     # -- stage timing
     def program(self):
-        plan = self.engine._build(self.mbs[0], None)
-        return plan, self.engine._program(plan, len(self.mbs))
+        view = self.engine.plan(self.mbs)
+        return view, view.program
 
-    def runner(self, plan, prog, stages=None, **kw) -> ProgramRunner:
-        return ProgramRunner(prog, stages if stages is not None else plan.stages, plan.capture, self.model,
-                             self.device, comm_stream_priority=self.engine.config.comm_stream_priority, **kw)
+    def run_program(self, plan, prog, hook) -> None:
+        runner = ProgramRunner(prog, plan.stages, plan.capture, self.device,
+                               grads=accumulate_into(self.model, plan.capture),
+                               comm_stream_priority=self.engine.config.comm_stream_priority, hook=hook)
+        runner.run(static_values(plan.capture, self.model), self.mbs)
 
     def stage_timing(self) -> dict[str, Any]:
         plan, prog = self.program()
-        calls = program_calls(prog, plan.stages)
+        calls = program_calls(prog)
         reps: list[dict[str, float]] = []
         # One run first that is not counted: the first stage-timed run on a GPU was
         # seen 4x slower than the next for a small shape (allocator, new streams).
         for r in range(-1, self.args.stage_reps):
             self.zero_grads()
             dist.barrier(group=self.group)
-            runner = self.runner(plan, prog, time_stages=True)
-            runner.run(self.mbs)
+            timer = _StageTimer(self.cuda, self.device)
+            self.run_program(plan, prog, timer)
             self.sync()
             label = "warm-up" if r < 0 else f"{r + 1}/{self.args.stage_reps}"
-            self.log(f"stage timing {label}: {sum(runner.stage_times.values()):.1f} ms serial")
+            self.log(f"stage timing {label}: {sum(timer.times.values()):.1f} ms serial")
             if r >= 0:
-                reps.append(runner.stage_times)
+                reps.append(timer.times)
         mine = {c.name: statistics.median(rep[c.name] for rep in reps) for c in calls}
         per_rank = self.gather(mine)
         combined = combine_rank_times(calls, per_rank)
@@ -536,10 +555,7 @@ class Bench:
     # -- one probed step: timeline and trace
     def probed_step(self, profile: bool) -> list[dict]:
         plan, prog = self.program()
-        calls = program_calls(prog, plan.stages)
-        rec = _Recorder(calls, self.cuda)
-        stages = [dataclasses.replace(s, graph_module=_Probe(s.graph_module, s.name, rec)) for s in plan.stages]
-        runner = self.runner(plan, prog, stages)
+        rec = _Recorder(program_calls(prog), self.cuda)
         self.zero_grads()
         dist.barrier(group=self.group)
         self.sync()
@@ -556,7 +572,7 @@ class Bench:
                 rec.origin.record()
             else:
                 rec.origin = time.perf_counter()
-            runner.run(self.mbs)
+            self.run_program(plan, prog, _Probe(rec))
             self.sync()
         finally:
             if prof is not None:

@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+COMPILERS = ("inductor", "eager")
 
 
 @dataclasses.dataclass(frozen=True)
 class OverlapConfig:
-    """Settings for :func:`fxoverlap.optimize`.
+    """Settings for :func:`fxoverlap.optimize` and the ``"fxoverlap"`` torch.compile backend.
 
     Attributes:
+        compiler: how compute stages run. ``"inductor"``: each is lowered by
+            TorchInductor once per plan (fused kernels, as ``torch.compile`` gives);
+            ``"eager"``: op by op, exactly the aten ops eager PyTorch runs (bitwise
+            equal to eager on CPU). ``None``: ``"inductor"`` when the model's
+            parameters are on CUDA, ``"eager"`` otherwise.
+        compile_options: Inductor config patches for the compiled stages, as
+            ``torch.compile(options=...)`` takes them (e.g. ``{"max_autotune": True}``).
         layer_container: attribute path of the model's list of decoder layers
             (e.g. ``"layers"``). ``None``: the largest ``nn.ModuleList`` /
             ``nn.ModuleDict`` in the model.
+        side_stages: split each MoE layer's attn work into what its dispatch needs
+            and the rest (shared expert, routing weights), which runs under the
+            dispatch; likewise in the backward under the combine (``passes/side.py``).
         comm_stream_priority: CUDA priority of the communication stream; lower
             numbers are higher priority (-1 is high on current GPUs). NCCL runs its
             own kernels on an internal stream: give that one priority with
@@ -31,22 +45,32 @@ class OverlapConfig:
             of saving its activations. ``None``: recompute off.
         record_memory: keep a per-step trace of live values and bytes
             (``engine.memory_trace``); for tests and debugging.
-        warn_on_fallback: warn when a model falls back to a single stage per
-            direction because no layers or communication ops were found.
+        progress: print a line per compiled stage and the compile time (rank 0).
     """
 
+    compiler: Literal["inductor", "eager"] | None = None
+    compile_options: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
     layer_container: str | None = None
+    side_stages: bool = True
     comm_stream_priority: int = -1
     delay_wgrad: bool = False
     free_early: bool = True
     cuda_graphs: bool = False
     mhc_recompute_group: int | None = None
     record_memory: bool = False
-    warn_on_fallback: bool = True
+    progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.compiler is not None and self.compiler not in COMPILERS:
+            raise ValueError(f"OverlapConfig.compiler must be one of {COMPILERS} or None, got {self.compiler!r}")
         if self.mhc_recompute_group is not None and self.mhc_recompute_group < 1:
             raise ValueError(
                 f"OverlapConfig.mhc_recompute_group must be >= 1 (or None for no recompute), "
                 f"got {self.mhc_recompute_group}"
             )
+
+    def resolved_compiler(self, device_type: str) -> str:
+        """The compiler for a model whose parameters live on ``device_type``."""
+        if self.compiler is not None:
+            return self.compiler
+        return "inductor" if device_type == "cuda" else "eager"

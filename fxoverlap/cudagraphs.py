@@ -1,6 +1,6 @@
 """CUDA graphs for stage calls: the runtime side of ``passes/cudagraph.py``.
 
-The pass marks program nodes ``meta["cudagraph"] = True``; with
+The pass marks the stages to graph (``stage.graphed``); with
 ``OverlapConfig(cuda_graphs=True)`` on a CUDA device, :class:`ProgramRunner` hands
 each such call to a :class:`StageGraphs` (one per program, kept by the engine across
 steps), which captures the stage once per *copy* and afterwards only replays it.
@@ -92,6 +92,8 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
+from fxoverlap.meta import STEP_KEY
+from fxoverlap.program_ops import stage_calls
 from fxoverlap.stage import Stage
 
 log = logging.getLogger("fxoverlap")
@@ -101,16 +103,12 @@ WARMUP_ITERS = 3
 _CONST, _STATIC, _SHARED, _COPY = "const", "static", "shared", "copy"
 
 
-def _calls(program: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in program.graph.nodes if n.op == "call_module" and "stage" in n.meta]
-
-
 def in_flight_depth(program: torch.fx.GraphModule) -> int:
     """Smallest k such that every stage call of microbatch m precedes every call of m + k."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
-    for i, n in enumerate(_calls(program)):
-        mb = n.meta["microbatch"]
+    for i, (_, step) in enumerate(stage_calls(program)):
+        mb = step.microbatch
         first.setdefault(mb, i)
         last[mb] = i
     depth = 1
@@ -214,15 +212,16 @@ class StageGraphs:
         self._side = None  # side stream for warm-up runs
         self._warmed: set[str] = set()
         self._graph_streams: list = []  # the streams graphs were captured from (replay there)
-        self.shared_pool = self._plan_pools(program)
+        self.shared_pool = self._plan_pools(program, stages)
 
     # ---------------------------------------------------------------- planning
-    def _plan_pools(self, program: torch.fx.GraphModule) -> dict[int, bool]:
-        graphed = [n for n in _calls(program) if n.meta.get("cudagraph")]
+    def _plan_pools(self, program: torch.fx.GraphModule, stages: Sequence[Stage]) -> dict[int, bool]:
+        by_name = {s.name: s for s in stages}
+        graphed = [step for _, step in stage_calls(program) if by_name[step.stage].graphed]
         seqs: dict[int, list[str]] = {}
-        for n in graphed:
-            seqs.setdefault(n.meta["microbatch"], []).append(n.meta["stage"])
-        one_stream = len({n.kwargs.get("stream") for n in graphed}) <= 1
+        for step in graphed:
+            seqs.setdefault(step.microbatch, []).append(step.stage)
+        one_stream = len({step.stream for step in graphed}) <= 1
         shared = {}
         for c in range(self.copies):
             mbs = sorted(mb for mb in seqs if mb % self.copies == c)
@@ -247,13 +246,13 @@ class StageGraphs:
         """Run one stage call; returns ``(outputs, graphed)``. Outputs of a graph are its
         static outputs (not copies): valid until the same graph replays for microbatch
         + copies. Runs on the current stream, which the runtime set to the stage's."""
-        copy = node.meta["microbatch"] % self.copies
+        copy = node.meta[STEP_KEY].microbatch % self.copies
         g = self._graphs.get((stage.name, copy))
         if g is None:
             if stage.name not in self.eager:
                 g = self._capture(stage, copy, args)
             if g is None:
-                return stage.graph_module(*args), False
+                return stage(*args), False
             return g.outs, True  # the capture replayed it once already
         self._wait_readers(copy)
         g.load(args)
@@ -323,10 +322,10 @@ class StageGraphs:
             with self.cuda.stream(self._side):
                 # The stage's other copy was warmed up already: lazy initialisation is done.
                 for _ in range(0 if stage.name in self._warmed else WARMUP_ITERS):
-                    stage.graph_module(*static_args)
+                    stage(*static_args)
             cur.wait_stream(self._side)
             self._warmed.add(stage.name)
-            graph, outs = self.cuda.capture(lambda: tuple(stage.graph_module(*static_args)), self._pool(copy))
+            graph, outs = self.cuda.capture(lambda: tuple(stage(*static_args)), self._pool(copy))
         except Exception as e:  # noqa: BLE001 - any capture failure leaves the stage eager
             self.cuda.synchronize(self.device)
             return self._fallback(stage, f"capture failed: {type(e).__name__}: {e}")
@@ -399,8 +398,7 @@ class GraphCache:
             return None
         sg = self._by_program.get(id(program))
         if sg is None:
-            static_names = set(capture.param_placeholders) | set(capture.buffer_placeholders)
-            sg = self._by_program[id(program)] = StageGraphs(program, stages, static_names, device)
+            sg = self._by_program[id(program)] = StageGraphs(program, stages, capture.static_placeholders, device)
         return sg
 
     def summaries(self) -> list[dict]:

@@ -14,14 +14,8 @@ import torch.nn as nn
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.passes.capture import Capture, capture, input_signature
-from fxoverlap.passes.cudagraph import cudagraph
-from fxoverlap.passes.free import free
-from fxoverlap.passes.recompute import recompute
-from fxoverlap.passes.schedule import schedule
-from fxoverlap.passes.split import split
-from fxoverlap.passes.streams import streams
-from fxoverlap.passes.tag import tag
-from fxoverlap.runtime import ProgramRunner
+from fxoverlap.pipeline import build_program, build_stages
+from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
 from fxoverlap.stage import Stage
 
 log = logging.getLogger("fxoverlap")
@@ -29,11 +23,25 @@ log = logging.getLogger("fxoverlap")
 
 @dataclasses.dataclass
 class Plan:
-    """Everything built for one input signature and loss function."""
+    """What fxoverlap built for one input signature (and loss function): the capture,
+    the stages, and one program per microbatch count (``programs[n]``)."""
 
     capture: Capture
     stages: list[Stage]
     programs: dict[int, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
+    runners: dict[int, ProgramRunner] = dataclasses.field(default_factory=dict, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanView:
+    """:meth:`Engine.plan`'s answer: the stages and the program for those microbatches."""
+
+    capture: Capture
+    stages: list[Stage]
+    program: torch.fx.GraphModule
+
+    def stage_table(self) -> str:
+        return format_stage_table(self.stages)
 
 
 def _as_tuple(mb) -> tuple:
@@ -59,9 +67,9 @@ class Engine:
         _check_expert_split(model, ep_group)
         self.model, self.ep_group, self.config = model, ep_group, config
         self._plans: dict[tuple, Plan] = {}
-        self._fwd_plans: dict[tuple, Plan] = {}
         self._last: tuple[Plan, int] | None = None
         self.memory_trace: list[tuple[str, int, int]] = []
+        self.leftover: dict[int, list[str]] = {}  # record_memory: values left in the stores at the end
         self._cudagraphs = GraphCache(config.cuda_graphs)  # captured CUDA graphs; see close()
 
     # ---------------------------------------------------------------- building
@@ -69,42 +77,43 @@ class Engine:
         p = next(self.model.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 
-    def _build(self, inputs: Sequence[torch.Tensor], loss_fn: Callable | None, train: bool = True) -> Plan:
-        cache = self._plans if train else self._fwd_plans
-        key = (input_signature(inputs), loss_fn if train else None)
-        plan = cache.get(key)
+    def _plan(self, inputs: Sequence[torch.Tensor], loss_fn: Callable | None, train: bool) -> Plan:
+        key = (input_signature(inputs), loss_fn if train else None, train)
+        plan = self._plans.get(key)
         if plan is None:
             log.info("fxoverlap: capturing %s for input signature %s", type(self.model).__name__, key[0])
             cap = capture(self.model, inputs, loss_fn, self.config.layer_container, train=train)
-            gm = tag(cap)
-            if train and self.config.mhc_recompute_group is not None:
-                gm = recompute(gm, cap.num_layers, self.config.mhc_recompute_group)
-            stages = split(gm, cap.num_layers, delay_wgrad=self.config.delay_wgrad and train)
-            plan = cache[key] = Plan(cap, stages)
+            plan = self._plans[key] = Plan(cap, build_stages(cap, self.config, self._device().type, train))
         return plan
 
-    def _program(self, plan: Plan, n: int) -> torch.fx.GraphModule:
+    def _program(self, plan: Plan, n: int, train: bool = True) -> torch.fx.GraphModule:
         prog = plan.programs.get(n)
         if prog is None:
-            prog = schedule(plan.stages, n, plan.capture.num_layers)
-            prog = streams(prog, plan.stages)
-            if self.config.cuda_graphs:  # before free: free leaves graph-owned outputs alone
-                prog = cudagraph(prog, plan.stages)
-            if self.config.free_early:
-                prog = free(prog, plan.stages, plan.capture)
-            plan.programs[n] = prog
+            prog = plan.programs[n] = build_program(plan.stages, plan.capture, n, self.config, forward_only=not train)
         return prog
 
-    # ---------------------------------------------------------------- running
-    def forward_backward(
-        self, microbatches: Sequence, loss_fn: Callable | None = None
-    ) -> list[torch.Tensor]:
-        """Forward and backward over ``microbatches``, interleaved; returns detached losses.
+    def _runner(self, plan: Plan, n: int, train: bool = True) -> ProgramRunner:
+        runner = plan.runners.get(n)
+        if runner is None:
+            prog, device = self._program(plan, n, train), self._device()
+            runner = plan.runners[n] = ProgramRunner(
+                prog, plan.stages, plan.capture, device,
+                grads=accumulate_into(self.model, plan.capture) if train else None,
+                comm_stream_priority=self.config.comm_stream_priority,
+                cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, device),
+                record_memory=self.config.record_memory,
+            )
+        return runner
 
-        Accumulates into ``p.grad`` exactly as ``for mb in microbatches:
-        loss_fn(model(*mb), *mb).backward()`` would (``loss_fn=None``: the model's
-        output is the loss).
-        """
+    def plan(self, microbatches: Sequence, loss_fn: Callable | None = None) -> PlanView:
+        """Capture and build (or reuse) what ``forward_backward(microbatches, loss_fn)`` would
+        run, without running it: the stages and the program."""
+        mbs = self._check(microbatches)
+        plan = self._plan(mbs[0], loss_fn, train=True)
+        return PlanView(plan.capture, plan.stages, self._program(plan, len(mbs)))
+
+    # ---------------------------------------------------------------- running
+    def _check(self, microbatches: Sequence) -> list[tuple]:
         mbs = [_as_tuple(mb) for mb in microbatches]
         if not mbs:
             raise ValueError("forward_backward: got an empty list of microbatches; pass at least one")
@@ -116,35 +125,43 @@ class Engine:
                     f"{_describe(mbs[0])}; all microbatches of one call must share shapes and dtypes "
                     f"(a later call may use new shapes: it is captured anew)"
                 )
-        plan = self._build(mbs[0], loss_fn)
-        prog = self._program(plan, len(mbs))
+        return mbs
+
+    def forward_backward(
+        self, microbatches: Sequence, loss_fn: Callable | None = None
+    ) -> list[torch.Tensor]:
+        """Forward and backward over ``microbatches``, interleaved; returns detached losses.
+
+        Accumulates into ``p.grad`` exactly as ``for mb in microbatches:
+        loss_fn(model(*mb), *mb).backward()`` would (``loss_fn=None``: the model's
+        output is the loss). Buffers the forward updates in place end as eager leaves them.
+        """
+        mbs = self._check(microbatches)
+        plan = self._plan(mbs[0], loss_fn, train=True)
+        runner = self._runner(plan, len(mbs))
         self._last = (plan, len(mbs))
-        runner = self._runner(plan, prog, record_memory=self.config.record_memory)
-        losses = runner.run(mbs, on_error=self._abort_group)
-        self.memory_trace = runner.memory_trace
-        return losses
+        state = runner.run(static_values(plan.capture, self.model), mbs, on_error=self._abort_group)
+        if self.config.record_memory:
+            self.memory_trace = state.memory_trace
+            static = set(plan.capture.static_placeholders)
+            self.leftover = {mb: names for mb, st in enumerate(state.stores)
+                             if (names := [v for v in st if v not in static])}
+        return [out[plan.capture.loss_name] for out in state.outputs]
 
     def __call__(self, *inputs: torch.Tensor):
         """Forward only, through the forward stage graphs; returns the model's output."""
-        plan = self._build(inputs, None, train=False)
-        prog = self._program(plan, 1)
-        return self._runner(plan, prog).run([inputs], on_error=self._abort_group)[0]
-
-    def _runner(self, plan: Plan, prog: torch.fx.GraphModule, **kw) -> ProgramRunner:
-        device = self._device()
-        return ProgramRunner(
-            prog, plan.stages, plan.capture, self.model, device,
-            comm_stream_priority=self.config.comm_stream_priority,
-            cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, device), **kw,
-        )
+        plan = self._plan(inputs, None, train=False)
+        runner = self._runner(plan, 1, train=False)
+        state = runner.run(static_values(plan.capture, self.model), [inputs], on_error=self._abort_group)
+        return state.outputs[0][plan.capture.outputs[0]]
 
     def close(self) -> None:
         """Release the CUDA graphs this engine captured (and their memory pools).
 
         Call it before ``dist.destroy_process_group()``: no graph may outlive the
         process group. It waits for the device first. Comm stages are never captured
-        (they stay eager), so no NCCL kernel is in any graph; DESIGN.md reports that
-        processes that had captured an all-to-all hung in ``destroy_process_group()``.
+        (they stay eager), so no NCCL kernel is in any graph (on the GPU machine,
+        processes that had captured an all-to-all hung in ``destroy_process_group()``).
         Explicit, never from ``atexit``. The engine stays usable: a later step
         captures its graphs anew. A no-op without ``cuda_graphs``.
         """
@@ -184,12 +201,13 @@ def _describe(mb: Sequence[torch.Tensor]) -> str:
 
 
 def format_stage_table(stages: Sequence[Stage]) -> str:
-    """One line per stage: name, layer, kind, direction, stream, #ops, inputs, outputs."""
-    rows = [("stage", "layer", "kind", "dir", "stream", "ops", "in", "out", "capturable")]
+    """One line per stage: name, layer, kind, direction, stream, #ops, inputs, outputs, how it
+    runs (``inductor`` / ``eager`` / ``graphed``), and whether a CUDA graph can hold it."""
+    rows = [("stage", "layer", "kind", "dir", "stream", "ops", "in", "out", "runs", "capturable")]
     for s in stages:
         rows.append((s.name, str(s.layer), str(s.kind), str(s.direction), str(s.stream),
-                     str(len(s.op_list())), str(len(s.inputs)), str(len(s.outputs)),
-                     "yes" if s.capturable else f"no: {s.not_capturable_reason}"))
+                     str(len(s.op_list())), str(len(s.inputs)), str(len(s.outputs)), s.runs_as,
+                     "yes" if s.capturable else f"no: {s.not_capturable_reason.split(': ', 1)[-1]}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows
@@ -205,5 +223,3 @@ def optimize(
     use (NCCL on GPU, gloo on CPU), or None for one rank.
     """
     return Engine(model, ep_group, config or OverlapConfig())
-
-

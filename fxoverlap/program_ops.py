@@ -1,9 +1,51 @@
-"""Marker functions that appear in a program graph besides stage calls.
+"""The program's vocabulary: what its nodes do, and the dataflow record each one carries.
 
-The runtime interprets them; calling one directly does nothing useful.
+A program is an FX graph emitted by ``passes/schedule.py`` and finished by
+``streams``, ``cudagraph`` and ``free``. Its nodes, in order, are:
+
+* stage calls: ``call_module`` on a :class:`StageCall` placeholder (``self.fwd_l0_attn(mb)``);
+* ``call_function`` on the markers below: the runtime (``fxoverlap.runtime``) has
+  one method per marker; calling a marker directly does nothing.
+
+Every stage call and every ``output`` / ``accumulate`` / ``mutate`` node carries a
+:class:`Step` under ``node.meta[STEP_KEY]``: its microbatch, stream, and the
+values of that microbatch's store it reads and writes. The schedule records
+them once; ``streams``, ``free``, the CUDA-graph runtime, the benchmark and the
+backend read them (see :func:`steps`) instead of working them out again.
 """
 
 from __future__ import annotations
+
+import dataclasses
+
+import torch.fx
+import torch.nn as nn
+
+from fxoverlap.meta import STEP_KEY
+from fxoverlap.stage import StreamKind
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one program node does with its microbatch's value store."""
+
+    microbatch: int
+    stream: StreamKind
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    stage: str | None = None  # the stage a stage call runs
+    slot: tuple[int, int, int] | None = None  # (merged step, layer pair, slot), None outside the slots
+
+
+class StageCall(nn.Module):
+    """Placeholder module that names a stage in the program; the runtime executes it."""
+
+    def __init__(self, stage_name: str):
+        super().__init__()
+        self.stage_name = stage_name
+
+    def forward(self, microbatch: int):  # pragma: no cover - the runtime interprets the program
+        raise RuntimeError("a program is walked by fxoverlap.runtime.ProgramRunner, not called")
 
 
 def record_event(name: str, stream: str) -> None:
@@ -18,5 +60,28 @@ def free(microbatch: int, *values: str) -> None:
     """Drop ``values`` of ``microbatch`` from the value store (their last use has run)."""
 
 
-for _f in (record_event, wait_event, free):
+def output(microbatch: int, *values: str) -> None:
+    """Hand ``values`` (the loss, or the step's outputs) of ``microbatch`` to the caller."""
+
+
+def accumulate(microbatch: int, *values: str) -> None:
+    """Add the parameter gradients ``values`` of ``microbatch`` into their parameters' ``.grad``."""
+
+
+def mutate(microbatch: int, *values: str) -> None:
+    """Copy the new values of buffers (or inputs) the forward updates in place into them."""
+
+
+MARKERS = (record_event, wait_event, free, output, accumulate, mutate)
+for _f in MARKERS:
     _f.__module__ = "fxoverlap.program"
+
+
+def steps(program: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Step]]:
+    """The program's nodes that carry a :class:`Step`, in program order."""
+    return [(n, n.meta[STEP_KEY]) for n in program.graph.nodes if STEP_KEY in n.meta]
+
+
+def stage_calls(program: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Step]]:
+    """The stage calls among :func:`steps`."""
+    return [(n, s) for n, s in steps(program) if s.stage is not None]

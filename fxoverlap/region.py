@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import torch.fx.traceback as fx_traceback
 
-REGION_KEY = "fxoverlap_region"
-LAYER_KEY = "fxoverlap_layer"
+from fxoverlap.meta import REGION_KEY
+
 REGIONS = frozenset({"mhc", "dispatch", "combine", "experts"})
 
 
@@ -18,8 +18,11 @@ def region(name: str) -> Iterator[None]:
 
     ``"dispatch"`` / ``"combine"``: communication the passes should treat as the
     layer's dispatch or combine all-to-all (e.g. a custom kernel they cannot
-    recognise). ``"experts"``: expert computation. ``"mhc"``: hyper-connection
-    code, which the recompute pass may replay instead of saving.
+    recognise). ``"experts"``: a layer's expert (or feed-forward) computation:
+    between a dispatch and a combine it is checked to be the experts stage; in a
+    layer without communication it is the layer's ``mlp`` stage (instead of its last
+    child with parameters). ``"mhc"``: hyper-connection code, which the recompute
+    pass may replay instead of saving.
 
     Outside of tracing this is a no-op apart from a dict update, so models can
     keep the marker in their eager code.

@@ -1,16 +1,46 @@
-"""Runtime: executes stages against a per-microbatch value store. It never rewrites graphs."""
+"""Runtime: executes a program against per-microbatch value stores. It never rewrites graphs.
+
+:class:`ProgramRunner` is shaped like ``torch.fx.Interpreter``: one method per
+program node kind (:meth:`~ProgramRunner.call_stage`, :meth:`~ProgramRunner.record_event`,
+:meth:`~ProgramRunner.wait_event`, :meth:`~ProgramRunner.free`,
+:meth:`~ProgramRunner.output`, :meth:`~ProgramRunner.accumulate`,
+:meth:`~ProgramRunner.mutate`). The node list is bound to those methods once, when
+the runner is built, so a step costs one Python call per node. It owns the
+streams (compute: the current stream; comm: its own), the events and the value
+stores; everything else (which stream, what a node reads) comes from the
+program's ``Step`` records.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx
 import torch.nn as nn
 
+from fxoverlap import program_ops
+from fxoverlap.meta import STEP_KEY
 from fxoverlap.passes.capture import Capture
-from fxoverlap.stage import Stage
+from fxoverlap.program_ops import Step
+from fxoverlap.stage import Direction, Stage, StreamKind
+
+# A hook wraps every stage call: hook(node, stage, run) must call run() (which
+# runs the stage on its inputs, on its stream) and return its outputs.
+StageHook = Callable[[torch.fx.Node, Stage, Callable[[], Sequence]], Sequence]
+# Where gradients go: sink(value name, gradient, is_graph_memory).
+GradSink = Callable[[str, torch.Tensor, bool], None]
+
+
+class StageFailed(RuntimeError):
+    """A stage raised while the program ran; names the stage and microbatch."""
+
+    @classmethod
+    def of(cls, stage: Stage, microbatch: int, exc: BaseException) -> StageFailed:
+        return cls(f"stage {stage.name} (layer {stage.layer}, {stage.kind}, {stage.direction}) failed on "
+                   f"microbatch {microbatch}: {type(exc).__name__}: {exc}")
 
 
 def static_values(capture: Capture, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -22,47 +52,41 @@ def static_values(capture: Capture, model: nn.Module) -> dict[str, torch.Tensor]
     return out
 
 
-def run_stage(stage: Stage, store: dict) -> None:
-    outs = stage.graph_module(*[store[i] for i in stage.inputs])
-    store.update(zip(stage.outputs, outs))
-
-
-def seed_tangent(capture: Capture, store: dict) -> None:
-    """The loss gradient eager's ``loss.backward()`` starts from: ones."""
-    store[capture.tangent_placeholder] = torch.ones_like(store[capture.loss_name])
-
-
-def accumulate_grads(capture: Capture, store: dict, model: nn.Module) -> None:
-    """Add this microbatch's gradients into ``p.grad`` as eager's AccumulateGrad does."""
+def accumulate_into(model: nn.Module, capture: Capture) -> GradSink:
+    """A :data:`GradSink` that adds into ``p.grad`` as eager's AccumulateGrad does."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name, fqn in zip(capture.output_names[1:], capture.grad_targets):
-        if name is None or fqn is None:
-            continue
-        _accumulate(params[fqn], store[name])
+    by_value = {v: params[fqn] for v, fqn in capture.grads.items()}
+
+    def sink(name: str, g: torch.Tensor, graph_memory: bool) -> None:
+        p = by_value[name]
+        if p.grad is None:
+            # graph memory is overwritten at the next replay: p.grad must not alias it
+            p.grad = g.detach().clone() if graph_memory or g.data_ptr() == p.data_ptr() else g.detach()
+        else:
+            p.grad.add_(g)
+
+    return sink
 
 
-def run_plain(stages: Iterable[Stage], capture: Capture, model: nn.Module, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One microbatch, stages in plain order (all forward, then all backward)."""
-    store = static_values(capture, model)
-    store.update(zip(capture.input_placeholders, inputs))
-    stages = list(stages)
-    with torch.no_grad():
-        for s in stages:
-            if s.direction.value == "bwd" and capture.tangent_placeholder not in store:
-                seed_tangent(capture, store)
-            run_stage(s, store)
-        accumulate_grads(capture, store, model)
-    return store[capture.loss_name].detach()
+@dataclasses.dataclass
+class RunState:
+    """One run of a program: the value stores and what the run handed out."""
 
-
-class StageFailed(RuntimeError):
-    """A stage raised while the program ran; names the stage and microbatch."""
+    stores: list[dict]
+    outputs: list[dict[str, torch.Tensor]]
+    events: dict = dataclasses.field(default_factory=dict)
+    graph_owned: set = dataclasses.field(default_factory=set)  # (mb, value): CUDA-graph memory
+    memory_trace: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    static_keys: frozenset = frozenset()
 
 
 class ProgramRunner:
-    """Walks a program: stage calls, events, frees. Owns streams, events and value stores.
+    """Walks a program: stage calls, events, frees, outputs, gradients, buffer updates.
 
     On CPU streams and events are no-ops and the program runs in its order.
+    ``hook`` wraps every stage call (timing, profiling); ``cuda_graphs`` (a
+    :class:`fxoverlap.cudagraphs.StageGraphs`) runs the stages the ``cudagraph``
+    pass chose; ``record_memory`` keeps a trace of the live bytes of the stores.
     """
 
     def __init__(
@@ -70,150 +94,207 @@ class ProgramRunner:
         program: torch.fx.GraphModule,
         stages: Sequence[Stage],
         capture: Capture,
-        model: nn.Module,
         device: torch.device,
+        *,
+        grads: GradSink | None = None,  # None: gradients are handed out with the outputs
         comm_stream_priority: int = -1,
-        record_memory: bool = False,
-        time_stages: bool = False,
         cuda_graphs=None,
+        record_memory: bool = False,
+        hook: StageHook | None = None,
     ):
-        from fxoverlap import program_ops
-
-        self.program, self.capture, self.model = program, capture, model
+        self.program, self.capture, self.device = program, capture, device
         self.stages = {s.name: s for s in stages}
-        self.device = device
-        self.record_memory = record_memory
-        self.memory_trace: list[tuple[str, int, int]] = []
-        self.leftover: dict[int, list[str]] = {}  # record_memory: values left in the stores at the end
-        # time_stages: run each stage alone (synchronised) and record its time in
-        # ms under its program node name; for the benchmark's T_serial / T_bound.
-        self.time_stages = time_stages
-        self.stage_times: dict[str, float] = {}
-        # cuda_graphs: a fxoverlap.cudagraphs.StageGraphs that runs the calls the
-        # cudagraph pass marked (node.meta["cudagraph"]), or None: all eager.
+        self.grads = grads
         self.cuda_graphs = cuda_graphs
-        self._ops = program_ops
-        self._grad_of = {
-            name: fqn for name, fqn in zip(capture.output_names[1:], capture.grad_targets) if name and fqn
-        }
-        self.streams: dict[str, object] = {}
+        self.record_memory = record_memory
+        self.hook = hook
+        self._state: RunState | None = None
+        self._on_error: Callable | None = None
+        self.streams: dict[StreamKind, object] = {}
         if device.type == "cuda":
             self.streams = {
-                "comp": torch.cuda.current_stream(device),
-                "comm": torch.cuda.Stream(device, priority=comm_stream_priority),
+                StreamKind.COMP: torch.cuda.current_stream(device),
+                StreamKind.COMM: torch.cuda.Stream(device, priority=comm_stream_priority),
             }
-        self._nodes = list(program.graph.nodes)
+        self._bind()
 
-    # ---- helpers
-    def _stream_ctx(self, stream: str | None):
-        if not self.streams or stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.streams[stream])
+    # ---------------------------------------------------------------- binding
+    def _bind(self) -> None:
+        """Bind each node to the method that runs it, with what it needs precomputed."""
+        methods = {
+            program_ops.record_event: self.record_event, program_ops.wait_event: self.wait_event,
+            program_ops.free: self.free, program_ops.output: self.output,
+            program_ops.accumulate: self.accumulate, program_ops.mutate: self.mutate,
+        }
+        stream_of: dict[tuple[int, str], StreamKind] = {}  # (mb, value) -> stream that writes it
+        self._bound: list[tuple[Callable, tuple]] = []
+        self._traced: list[tuple[str, int] | None] = []  # (node, microbatch) whose live bytes record_memory traces
+        self.backward_start: int | None = None  # index of the first node of the backward part
+        for node in self.program.graph.nodes:
+            step: Step | None = node.meta.get(STEP_KEY)
+            if node.op == "call_module":
+                stage = self.stages[step.stage]
+                mb = step.microbatch
+                # inputs written on the other stream (placeholders count as compute)
+                cross = tuple(i for i, v in enumerate(stage.inputs)
+                              if stream_of.get((mb, v), StreamKind.COMP) is not stage.stream)
+                for v in stage.outputs:
+                    stream_of[(mb, v)] = stage.stream
+                if stage.direction is Direction.BWD and self.backward_start is None:
+                    self.backward_start = len(self._bound)
+                    while self.backward_start and self._bound[self.backward_start - 1][0] == self.wait_event:
+                        self.backward_start -= 1  # waits that precede the first backward stage go with it
+                self._bound.append((self.call_stage, (node, stage, mb, cross)))
+                self._traced.append((node.name, mb))
+            elif node.op == "call_function":
+                if node.target not in methods:
+                    raise AssertionError(f"runtime: program node {node.name} calls {node.target}, which is "
+                                         f"not a program op")
+                self._bound.append((methods[node.target], node.args))
+                self._traced.append((node.name, node.args[0]) if node.target is program_ops.free else None)
 
-    def run(self, microbatches: Sequence[Sequence[torch.Tensor]], on_error=None) -> list[torch.Tensor]:
+    def _ctx(self, stream: StreamKind):
+        return torch.cuda.stream(self.streams[stream]) if self.streams else contextlib.nullcontext()
+
+    # ---------------------------------------------------------------- running
+    def start(self, static: dict[str, torch.Tensor], microbatches: Sequence[Sequence[torch.Tensor]],
+              tangents: Sequence[Sequence[torch.Tensor]] | None = None) -> RunState:
+        """Value stores for a run: shared parameters and buffers, each microbatch's inputs,
+        and its tangents (default: ones for a scalar loss, as ``loss.backward()`` seeds)."""
         cap = self.capture
-        static = static_values(cap, self.model)
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        stores = [dict(static, **dict(zip(cap.input_placeholders, mb))) for mb in microbatches]
-        stage_stream: dict[tuple[int, str], str] = {}  # (mb, value) -> stream that produced it
-        losses: list[torch.Tensor | None] = [None] * len(microbatches)
-        events: dict[str, object] = {}
-        ops = self._ops
-        static_keys = static_storage_keys(static) if self.record_memory else frozenset()
-        with torch.no_grad():
-            for node in self._nodes:
-                if node.op == "call_module":
-                    stage = self.stages[node.meta["stage"]]
-                    mb = node.meta["microbatch"]
-                    stream = node.kwargs.get("stream")
-                    store = stores[mb]
-                    with self._stream_ctx(stream):
-                        args = [store[i] for i in stage.inputs]
-                        if self.streams:
-                            for v, a in zip(stage.inputs, args):
-                                # A tensor allocated on the other stream: keep its block
-                                # from being reused there until this stream is done with it.
-                                if stage_stream.get((mb, v), "comp") != stream and isinstance(a, torch.Tensor):
-                                    a.record_stream(self.streams[stream])
-                        graphed = False  # outs are a CUDA graph's static outputs, overwritten at replay
-                        try:
-                            if self.time_stages:
-                                outs = self._timed(node.name, stage, args)
-                            elif self.cuda_graphs is not None and node.meta.get("cudagraph"):
-                                outs, graphed = self.cuda_graphs.call(node, stage, args)
-                            else:
-                                outs = stage.graph_module(*args)
-                            if self.cuda_graphs is not None:
-                                self.cuda_graphs.note_reads(args)
-                        except Exception as e:
-                            if on_error is not None:
-                                on_error(e)
-                            raise StageFailed(
-                                f"stage {stage.name} (layer {stage.layer}, {stage.kind}, {stage.direction}) "
-                                f"failed on microbatch {mb}: {type(e).__name__}: {e}"
-                            ) from e
-                        for v, o in zip(stage.outputs, outs):
-                            store[v] = o
-                            stage_stream[(mb, v)] = stream or "comp"
-                            fqn = self._grad_of.get(v)
-                            if fqn is not None:
-                                _accumulate(params[fqn], o, copy=graphed)
-                    if cap.loss_name in stage.outputs:
-                        losses[mb] = store[cap.loss_name].detach()
-                        if graphed:
-                            losses[mb] = losses[mb].clone()
-                        seed_tangent(cap, store)
-                    if self.record_memory:
-                        self.memory_trace.append((node.name, mb, live_bytes(stores, static_keys)))
-                elif node.op == "call_function":
-                    if node.target is ops.record_event:
-                        name, stream = node.args
-                        if self.streams:
-                            ev = torch.cuda.Event()
-                            ev.record(self.streams[stream])
-                            events[name] = ev
-                    elif node.target is ops.wait_event:
-                        name, stream = node.args
-                        if self.streams:
-                            self.streams[stream].wait_event(events[name])
-                    elif node.target is ops.free:
-                        mb, *names = node.args
-                        for v in names:
-                            stores[mb].pop(v, None)
-                        if self.record_memory:
-                            self.memory_trace.append((node.name, mb, live_bytes(stores, static_keys)))
+        stores = []
+        for i, mb in enumerate(microbatches):
+            store = dict(static)
+            store.update(zip(cap.input_placeholders, mb))
+            if tangents is not None:
+                store.update(zip(cap.tangents, tangents[i]))
+            else:
+                for ph in cap.tangents:
+                    val = cap.graph_module.graph.find_nodes(op="placeholder", target=ph)[0].meta["val"]
+                    store[ph] = torch.ones(val.shape, dtype=val.dtype, device=self.device)
+            stores.append(store)
+        state = RunState(stores, [{} for _ in microbatches])
         if self.record_memory:
-            # What the program left behind: ("end", -1, bytes), and the names per microbatch.
-            self.memory_trace.append(("end", -1, live_bytes(stores, static_keys)))
-            left = {mb: [v for v in st if v not in static] for mb, st in enumerate(stores)}
-            self.leftover = {mb: names for mb, names in left.items() if names}
-        stores.clear()
-        return losses
+            state.static_keys = static_storage_keys(static)
+        return state
 
-    def _timed(self, name: str, stage: Stage, args: list) -> tuple:
-        import time
+    def set_tangents(self, state: RunState, microbatch: int, tangents: Sequence[torch.Tensor]) -> None:
+        state.stores[microbatch].update(zip(self.capture.tangents, tangents))
 
+    def execute(self, state: RunState, part: str = "all", on_error: Callable | None = None) -> None:
+        """Run ``"all"`` of the program, or its ``"forward"`` / ``"backward"`` part (one
+        microbatch, as the torch.compile backend runs it from an autograd.Function)."""
+        split = len(self._bound) if self.backward_start is None else self.backward_start
+        lo, hi = {"all": (0, len(self._bound)), "forward": (0, split), "backward": (split, len(self._bound))}[part]
+        self._on_error = on_error
         if self.streams:
-            torch.cuda.synchronize(self.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            outs = stage.graph_module(*args)
-            end.record()
-            torch.cuda.synchronize(self.device)
-            self.stage_times[name] = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            outs = stage.graph_module(*args)
-            self.stage_times[name] = (time.perf_counter() - t0) * 1e3
-        return outs
+            # the compute stream is the caller's current one (autograd may run a backward
+            # on another stream than the forward's)
+            self.streams[StreamKind.COMP] = torch.cuda.current_stream(self.device)
+            if part == "backward":
+                self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
+        self._state = state
+        try:
+            with torch.no_grad():
+                if not self.record_memory:
+                    for fn, args in self._bound[lo:hi]:
+                        fn(*args)
+                else:
+                    for (fn, args), traced in zip(self._bound[lo:hi], self._traced[lo:hi]):
+                        fn(*args)
+                        if traced is not None:
+                            state.memory_trace.append((*traced, live_bytes(state.stores, state.static_keys)))
+        finally:
+            self._state = None
+        if self.streams and part == "forward":
+            self.streams[StreamKind.COMP].wait_stream(self.streams[StreamKind.COMM])
+        if part != "forward" and self.record_memory:
+            state.memory_trace.append(("end", -1, live_bytes(state.stores, state.static_keys)))
+
+    def run(self, static: dict[str, torch.Tensor], microbatches: Sequence[Sequence[torch.Tensor]],
+            on_error: Callable | None = None) -> RunState:
+        """The whole program over ``microbatches``; the state holds each one's outputs."""
+        state = self.start(static, microbatches)
+        self.execute(state, "all", on_error)
+        return state
+
+    # ---------------------------------------------------------------- node kinds
+    def call_stage(self, node: torch.fx.Node, stage: Stage, mb: int, cross: tuple[int, ...]) -> None:
+        state = self._state
+        store = state.stores[mb]
+        with self._ctx(stage.stream):
+            args = [store[v] for v in stage.inputs]
+            if self.streams:
+                stream = self.streams[stage.stream]
+                for i in cross:
+                    # allocated on the other stream: keep its block from being reused there
+                    # until this stream is done with it
+                    if isinstance(args[i], torch.Tensor):
+                        args[i].record_stream(stream)
+            graphed = False
+            try:
+                if self.hook is not None:
+                    outs = self.hook(node, stage, lambda: stage(*args))
+                elif stage.graphed and self.cuda_graphs is not None:
+                    outs, graphed = self.cuda_graphs.call(node, stage, args)
+                else:
+                    outs = stage(*args)
+                if self.cuda_graphs is not None:
+                    self.cuda_graphs.note_reads(args)
+            except Exception as e:
+                if self._on_error is not None:
+                    self._on_error(e)
+                raise StageFailed.of(stage, mb, e) from e
+        store.update(zip(stage.outputs, outs))
+        if graphed:
+            state.graph_owned.update((mb, v) for v in stage.outputs)
+
+    def record_event(self, name: str, stream: str) -> None:
+        if self.streams:
+            ev = torch.cuda.Event()
+            ev.record(self.streams[StreamKind(stream)])
+            self._state.events[name] = ev
+
+    def wait_event(self, name: str, stream: str) -> None:
+        if self.streams:
+            self.streams[StreamKind(stream)].wait_event(self._state.events[name])
+
+    def free(self, mb: int, *values: str) -> None:
+        store = self._state.stores[mb]
+        for v in values:
+            store.pop(v, None)
+
+    def output(self, mb: int, *values: str) -> None:
+        state = self._state
+        for v in values:
+            t = state.stores[mb][v]
+            state.outputs[mb][v] = t.detach().clone() if (mb, v) in state.graph_owned else t.detach()
+
+    def accumulate(self, mb: int, *values: str) -> None:
+        if self.grads is None:  # no sink: gradients go to the caller, as outputs do
+            self.output(mb, *values)
+            return
+        state = self._state
+        for v in values:
+            self.grads(v, state.stores[mb][v], (mb, v) in state.graph_owned)
+
+    def mutate(self, mb: int, *values: str) -> None:
+        store = self._state.stores[mb]
+        for v in values:
+            store[self.capture.mutations[v]].copy_(store[v])
 
 
-def _accumulate(p: torch.Tensor, g: torch.Tensor, copy: bool = False) -> None:
-    # copy: g is graph memory (overwritten at the next replay); p.grad must not alias it.
-    if p.grad is None:
-        p.grad = g.detach().clone() if copy or g.data_ptr() == p.data_ptr() else g.detach()
-    else:
-        p.grad.add_(g)
+def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
+              inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One microbatch, stages in plain order (all forward, then all backward), gradients
+    into ``p.grad``; returns the loss. The reference the interleaved program must equal."""
+    from fxoverlap.passes.free import free
+    from fxoverlap.passes.schedule import schedule
+
+    program = free(schedule(list(stages), capture, 1), list(stages), capture)
+    runner = ProgramRunner(program, stages, capture, torch.device("cpu"), grads=accumulate_into(model, capture))
+    state = runner.run(static_values(capture, model), [inputs])
+    return state.outputs[0][capture.loss_name]
 
 
 def _storage_key(t: torch.Tensor) -> tuple:

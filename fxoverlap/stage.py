@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 
 import torch.fx
+
+from fxoverlap.meta import op_name
 
 
 class StageKind(str, enum.Enum):
@@ -15,11 +18,11 @@ class StageKind(str, enum.Enum):
     ATTN = "attn"  # norms, attention, router, shared expert, permute
     DISPATCH = "dispatch"  # all-to-all: tokens to the ranks owning their experts
     EXPERTS = "experts"
+    MLP = "mlp"  # a dense layer's feed-forward
     COMBINE = "combine"  # all-to-all: expert outputs back
     POST = "post"  # unpermute, weighting, residual
-    MLP = "mlp"  # a dense layer's feed-forward
     HEAD = "head"  # final norm, output projection, loss, MTP
-    RECOMPUTE = "recompute"  # replay of a group's mHC forward before its backward
+    RECOMPUTE = "recompute"  # replay of a group's recompute region before its backward
 
     def __str__(self) -> str:
         return self.value
@@ -41,108 +44,136 @@ class StreamKind(str, enum.Enum):
         return self.value
 
 
+class Part(str, enum.Enum):
+    """Which part of its (direction, layer, kind) a stage holds."""
+
+    MAIN = ""
+    SIDE = "side"  # forward attn work the dispatch does not need: runs under the dispatch
+    EARLY = "early"  # backward attn work the backward dispatch does not feed: runs under the combine
+    WGRAD = "wgrad"  # weight gradients split off a backward stage (delayed wgrad)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 COMM_KINDS = frozenset({StageKind.DISPATCH, StageKind.COMBINE})
 
-# Order of kinds inside one layer's forward; the backward walks it in reverse.
+# The order of kinds inside one layer's forward; the backward walks it in reverse.
+# A dense layer has only ATTN and MLP; a MoE layer has no MLP.
 LAYER_KIND_ORDER = (
     StageKind.ATTN,
     StageKind.DISPATCH,
     StageKind.EXPERTS,
+    StageKind.MLP,
     StageKind.COMBINE,
     StageKind.POST,
-    StageKind.MLP,
 )
+_KIND_RANK = {k: i + 1 for i, k in enumerate(LAYER_KIND_ORDER)}
+_KIND_RANK[StageKind.EMBED] = 0
+_KIND_RANK[StageKind.HEAD] = len(LAYER_KIND_ORDER) + 1
+_KIND_RANK[StageKind.RECOMPUTE] = 99  # backward: before every stage of its group's top layer
+# forward: main then side; backward: early, main, then the weight gradients
+_PART_RANK = {Part.MAIN: 1, Part.SIDE: 2, Part.EARLY: 0, Part.WGRAD: 2}
+
+
+def stream_of(kind: StageKind) -> StreamKind:
+    """The stream a stage of ``kind`` runs on: the one place this is decided."""
+    return StreamKind.COMM if kind in COMM_KINDS else StreamKind.COMP
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Tag:
-    """Where a node belongs: (direction, layer, kind). ``layer`` is -1 for embed and
-    ``num_layers`` for head, so the plain execution order is the sort order."""
+    """Where a node belongs: (direction, layer, kind, part). ``layer`` is -1 for embed
+    and ``num_layers`` for head, so the plain execution order is the sort order."""
 
     direction: Direction
     layer: int
     kind: StageKind
+    part: Part = Part.MAIN
 
-    def sort_key(self, num_layers: int) -> tuple[int, int, int]:
-        kind_rank = _KIND_RANK[self.kind]
+    def sort_key(self, num_layers: int) -> tuple[int, int, int, int]:
+        kind_rank, part_rank = _KIND_RANK[self.kind], _PART_RANK[self.part]
         if self.direction is Direction.FWD:
-            return (0, self.layer, kind_rank)
+            return (0, self.layer, kind_rank, part_rank)
         # backward: head first, layers descending, kinds reversed, embed last
-        return (1, num_layers - self.layer, -kind_rank)
+        return (1, num_layers - self.layer, -kind_rank, part_rank)
+
+    def with_part(self, part: Part) -> Tag:
+        return dataclasses.replace(self, part=part)
 
     def __str__(self) -> str:
-        return f"{self.direction}:{self.layer}:{self.kind}"
+        return f"{self.direction}:{self.layer}:{self.kind}" + (f":{self.part}" if self.part is not Part.MAIN else "")
 
 
-_KIND_RANK = {
-    StageKind.EMBED: 0,
-    StageKind.RECOMPUTE: 99,  # backward: before every stage of its group's top layer
-    StageKind.ATTN: 1,
-    StageKind.DISPATCH: 2,
-    StageKind.EXPERTS: 3,
-    StageKind.COMBINE: 4,
-    StageKind.POST: 5,
-    StageKind.MLP: 3,
-    StageKind.HEAD: 6,
-}
+def stage_name(tag: Tag) -> str:
+    layer = "model" if tag.kind in (StageKind.EMBED, StageKind.HEAD) or tag.layer < 0 else f"l{tag.layer}"
+    suffix = f"_{tag.part}" if tag.part is not Part.MAIN else ""
+    return f"{tag.direction}_{layer}_{tag.kind}{suffix}"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Stage:
     """A stage subgraph with explicit inputs and outputs.
 
     ``inputs``/``outputs`` are names of values in the joint graph: a stage reads
     its inputs from the per-microbatch value store and writes its outputs there.
+    Fields below the graph are decided by one pass each and only read elsewhere.
     """
 
     name: str
-    layer: int
-    kind: StageKind
-    direction: Direction
-    stream: StreamKind
+    tag: Tag
     graph_module: torch.fx.GraphModule
     inputs: list[str]
     outputs: list[str]
-    capturable: bool = True
+    # split: why no CUDA graph can hold this stage (None: capturable)
     not_capturable_reason: str | None = None
-    # Weight-gradient part split off a backward stage (delayed wgrad), or None.
-    wgrad_of: str | None = None
-    # Recompute stages: the layers whose mHC forward this stage replays.
+    # recompute: the layers whose recompute region this stage replays
     recompute_layers: tuple[int, ...] = ()
+    # compile: the Inductor-compiled callable (None: the graph runs op by op)
+    compiled: Callable | None = None
+    # cudagraph: the runtime runs this stage as a CUDA graph; its outputs are graph memory
+    graphed: bool = False
 
     @property
-    def tag(self) -> Tag:
-        return Tag(self.direction, self.layer, self.kind)
+    def layer(self) -> int:
+        return self.tag.layer
+
+    @property
+    def kind(self) -> StageKind:
+        return self.tag.kind
+
+    @property
+    def direction(self) -> Direction:
+        return self.tag.direction
+
+    @property
+    def part(self) -> Part:
+        return self.tag.part
+
+    @property
+    def stream(self) -> StreamKind:
+        return stream_of(self.tag.kind)
+
+    @property
+    def capturable(self) -> bool:
+        return self.not_capturable_reason is None
+
+    @property
+    def wgrad_of(self) -> str | None:
+        """The stage this weight-gradient part was split off, or None."""
+        return stage_name(self.tag.with_part(Part.MAIN)) if self.part is Part.WGRAD else None
+
+    @property
+    def runs_as(self) -> str:
+        """``graphed`` (a CUDA graph), ``inductor`` (compiled kernels) or ``eager`` (op by op)."""
+        return "graphed" if self.graphed else "inductor" if self.compiled is not None else "eager"
 
     def __call__(self, *args):
-        return self.graph_module(*args)
+        return (self.compiled or self.graph_module)(*args)
 
     def op_list(self) -> list[str]:
         """Compact rendering of the stage's ops, for snapshots and logs."""
-        out = []
-        for n in self.graph_module.graph.nodes:
-            if n.op == "call_function":
-                out.append(_op_name(n.target))
-        return out
+        return [op_name(n) for n in self.graph_module.graph.nodes if n.op == "call_function"]
 
     def __repr__(self) -> str:
-        return (
-            f"Stage({self.name}, layer={self.layer}, kind={self.kind}, "
-            f"direction={self.direction}, stream={self.stream}, "
-            f"in={len(self.inputs)}, out={len(self.outputs)})"
-        )
-
-
-def _op_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        ns = target.namespace
-        name = target._schema.name.split("::")[-1]
-        return f"{ns}.{name}"
-    return getattr(target, "__name__", str(target))
-
-
-def stage_name(tag: Tag, suffix: str = "") -> str:
-    layer = {-1: "model"}.get(tag.layer, f"l{tag.layer}")
-    if tag.kind in (StageKind.EMBED, StageKind.HEAD):
-        layer = "model"
-    return f"{tag.direction}_{layer}_{tag.kind}{suffix}"
+        return f"Stage({self.name}, {self.tag}, stream={self.stream}, in={len(self.inputs)}, out={len(self.outputs)})"

@@ -13,8 +13,10 @@ backward nodes carry the annotation of the forward op they differentiate.
 
 Assumes: the model's decoder layers are the entries of one ``nn.ModuleList`` or
 ``nn.ModuleDict`` (found by size, or named by ``OverlapConfig.layer_container``),
-called once each per forward; no buffer is mutated in the forward; the loss is a
-scalar tensor.
+called once each per forward; the loss is a scalar tensor (the torch.compile
+backend accepts any tensor outputs). Buffers and inputs the forward updates in
+place (a load-balance counter, a running statistic) are allowed: the capture
+names each new value and what it must be copied into (``Capture.mutations``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from fxoverlap.region import LAYER_KEY
-
-CHILD_KEY = "fxoverlap_child"
+from fxoverlap.meta import CHILD_KEY, LAYER_KEY
 
 
 class CaptureError(RuntimeError):
@@ -41,19 +41,24 @@ class CaptureError(RuntimeError):
 class Capture:
     """The joint graph of one train step and what its placeholders and outputs mean.
 
-    ``graph_module`` takes ``(*params, *buffers, *inputs, loss_tangent)`` as
-    plain positional arguments (names in ``placeholders``) and returns
-    ``(loss, *grads)`` (``grad_targets[i]`` names the parameter of ``grads[i]``,
-    ``None`` where a parameter gets no gradient).
+    ``graph_module`` takes ``(*params, *buffers, *inputs, *tangents)`` as plain
+    positional arguments (names in the ``*_placeholders`` fields) and returns a flat
+    tuple. Its values that leave the step are named here by role: ``outputs``
+    (what the step returns: the loss first for a train step), ``grads`` (value ->
+    parameter FQN), ``mutations`` (value -> placeholder it must be copied into: a
+    buffer or input the forward mutates in place). ``tangents`` maps each tangent
+    placeholder to the output it is the gradient of.
     """
 
     graph_module: torch.fx.GraphModule
+    fake_mode: object  # the FakeTensorMode whose ShapeEnv holds the graph's symbols
     param_placeholders: dict[str, str]  # placeholder name -> parameter FQN
     buffer_placeholders: dict[str, str]  # placeholder name -> buffer FQN
     input_placeholders: list[str]  # the microbatch's tensors, in order
-    tangent_placeholder: str | None
-    output_names: list[str | None]  # value names feeding the graph output
-    grad_targets: list[str | None]  # parameter FQN per grad output
+    tangents: dict[str, str]  # tangent placeholder -> output value it seeds
+    outputs: list[str]  # values the step returns, in order
+    grads: dict[str, str]  # gradient value -> parameter FQN
+    mutations: dict[str, str]  # new value -> placeholder (buffer or input) it is copied into
     num_layers: int
     layer_names: list[str]
     param_children: dict[int, set[str]]  # per layer: children with parameters that ran
@@ -61,7 +66,12 @@ class Capture:
 
     @property
     def loss_name(self) -> str:
-        return self.output_names[0]
+        return self.outputs[0]
+
+    @property
+    def static_placeholders(self) -> set[str]:
+        """Placeholders shared by every microbatch: parameters and buffers."""
+        return set(self.param_placeholders) | set(self.buffer_placeholders)
 
 
 def find_layers(model: nn.Module, container: str | None) -> tuple[str, list[nn.Module]] | None:
@@ -88,25 +98,41 @@ def input_signature(inputs: Sequence[torch.Tensor]) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for t in inputs)
 
 
-class _TrainStep(nn.Module):
-    """model + loss as one module, so the joint graph ends at a scalar."""
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {list(x.shape)}"
+    return f"a {type(x).__name__}"
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None):
+
+class _TrainStep(nn.Module):
+    """model + loss as one module, so the joint graph ends at the loss.
+
+    ``scalar_loss=False`` (the torch.compile backend): the model's outputs are returned
+    as they are, one tensor or a tuple of tensors, and the caller seeds each one's
+    gradient."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, scalar_loss: bool = True):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.scalar_loss = scalar_loss
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor):
         out = self.model(*inputs)
         loss = out if self.loss_fn is None else self.loss_fn(out, *inputs)
+        if not self.scalar_loss:
+            outs = loss if isinstance(loss, (tuple, list)) else (loss,)
+            if bad := [i for i, o in enumerate(outs) if not isinstance(o, torch.Tensor)]:
+                raise CaptureError(f"output {bad[0]} of the step is {_describe(outs[bad[0]])}; "
+                                   f"fxoverlap handles tensor outputs")
+            return tuple(outs)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {list(loss.shape)}"
             if self.loss_fn is None:
                 raise CaptureError(
-                    f"the model returned {what}, not a scalar loss, and no loss_fn was given: "
+                    f"the model returned {_describe(loss)}, not a scalar loss, and no loss_fn was given: "
                     f"pass loss_fn=lambda output, *inputs: <scalar> to forward_backward"
                 )
-            raise CaptureError(f"loss_fn returned {what}; it must return a scalar tensor")
+            raise CaptureError(f"loss_fn returned {_describe(loss)}; it must return a scalar tensor")
         return loss
 
 
@@ -118,7 +144,8 @@ class _Forward(nn.Module):
     def forward(self, *inputs: torch.Tensor):
         out = self.model(*inputs)
         if not isinstance(out, torch.Tensor):
-            raise CaptureError(f"the model returned a {type(out).__name__}; fxoverlap handles one output tensor")
+            raise CaptureError(f"the model returned {_describe(out)}; fxoverlap's forward-only call "
+                               f"handles one output tensor")
         return out
 
 
@@ -161,22 +188,17 @@ def capture(
     loss_fn: Callable | None = None,
     layer_container: str | None = None,
     train: bool = True,
+    scalar_loss: bool = True,
 ) -> Capture:
     """Trace one train step of ``model`` on inputs shaped like ``inputs``; no data is used.
 
     ``train=False`` traces the forward alone (no loss, no backward): the graph
-    returns the model's output and the capture has no tangent or gradients.
+    returns the model's output and the capture has no tangents or gradients.
+    ``scalar_loss=False`` accepts any tensor outputs (each differentiable one gets a
+    tangent placeholder) instead of requiring one scalar loss.
     """
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-    from torch._functorch._aot_autograd.descriptors import (
-        BufferAOTInput,
-        GradAOTOutput,
-        ParamAOTInput,
-        PlainAOTInput,
-        PlainAOTOutput,
-        TangentAOTInput,
-    )
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     for i, t in enumerate(inputs):
@@ -188,7 +210,7 @@ def capture(
     found = find_layers(model, layer_container)
     layer_names, layers = (found[0], found[1]) if found else ("", [])
     param_children: dict[int, set[str]] = {}
-    step = _TrainStep(model, loss_fn) if train else _Forward(model)
+    step = _TrainStep(model, loss_fn, scalar_loss) if train else _Forward(model)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()
@@ -197,56 +219,100 @@ def capture(
     gm = joint.graph_module
     gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, flat tuple out
     gm.recompile()
-
-    params, buffers, user_inputs, tangent = {}, {}, [], None
-    strip = lambda fqn: fqn[len("model.") :] if fqn.startswith("model.") else fqn  # noqa: E731
-    for node in gm.graph.find_nodes(op="placeholder"):
-        desc = node.meta.get("desc")
-        if isinstance(desc, ParamAOTInput):
-            params[node.name] = strip(desc.target)
-        elif isinstance(desc, BufferAOTInput):
-            buffers[node.name] = strip(desc.target)
-        elif isinstance(desc, PlainAOTInput):
-            user_inputs.append(node.name)
-        elif isinstance(desc, TangentAOTInput) and tangent is None:
-            tangent = node.name
-        else:
-            raise CaptureError(
-                f"capture: graph input {node.name} has descriptor {desc!r}, which fxoverlap does not "
-                f"handle (input mutation, tensor subclass or extra tangent); make the model's forward "
-                f"functional"
-            )
-    out_node = next(iter(gm.graph.find_nodes(op="output")))
-    out_args = out_node.args[0]
-    descs = out_node.meta.get("desc") or []
-    output_names, grad_targets = [], []
-    for i, (val, desc) in enumerate(zip(out_args, descs)):
-        if i == 0 or not train:
-            if not isinstance(desc, PlainAOTOutput):
-                raise CaptureError(f"capture: first graph output is {desc!r}, expected the loss")
-        elif val is None:
-            pass  # no gradient for a non-differentiable input
-        elif not isinstance(desc, GradAOTOutput):
-            raise CaptureError(
-                f"capture: graph output {i} has descriptor {desc!r}; fxoverlap handles only the loss "
-                f"and parameter gradients (a forward that mutates a buffer is not supported)"
-            )
-        output_names.append(val.name if isinstance(val, torch.fx.Node) else None)
-        if i:
-            target = desc.grad_of if isinstance(desc, GradAOTOutput) else None
-            grad_targets.append(strip(target.target) if isinstance(target, ParamAOTInput) else None)
-    if tangent is None and train:
-        raise CaptureError("capture: the loss does not require grad; no parameter of the model is trainable")
+    roles = _roles(gm, train)
+    # The mode that traced the graph holds its symbols: ours, or the ambient one under
+    # torch.compile (AOTAutograd prefers the tracing context's fake mode to its inputs').
+    traced = next((v.fake_mode for ph in gm.graph.find_nodes(op="placeholder")
+                   if isinstance(v := ph.meta.get("val"), FakeTensor)), fake_mode)
     return Capture(
         graph_module=gm,
-        param_placeholders=params,
-        buffer_placeholders=buffers,
-        input_placeholders=user_inputs,
-        tangent_placeholder=tangent,
-        output_names=output_names,
-        grad_targets=grad_targets,
+        fake_mode=traced,
+        **roles,
         num_layers=len(layers),
         layer_names=[f"{layer_names}.{i}" for i in range(len(layers))],
         param_children=param_children,
         signature=input_signature(inputs),
     )
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len("model.") :] if fqn.startswith("model.") else fqn
+
+
+def _roles(gm: torch.fx.GraphModule, train: bool) -> dict:
+    """Name every placeholder and graph output by role, from AOTAutograd's descriptors."""
+    from torch._functorch._aot_autograd.descriptors import (
+        BufferAOTInput,
+        GradAOTOutput,
+        InputMutationAOTOutput,
+        ParamAOTInput,
+        PlainAOTInput,
+        PlainAOTOutput,
+        SubclassGetAttrAOTInput,
+        TangentAOTInput,
+    )
+
+    params, buffers, user_inputs, by_input = {}, {}, [], {}
+    tangent_of: dict[str, object] = {}  # tangent placeholder -> descriptor of its output
+    for node in gm.graph.find_nodes(op="placeholder"):
+        desc = node.meta.get("desc")
+        if isinstance(desc, ParamAOTInput):
+            params[node.name] = _strip(desc.target)
+        elif isinstance(desc, BufferAOTInput):
+            buffers[node.name] = _strip(desc.target)
+        elif isinstance(desc, PlainAOTInput):
+            user_inputs.append(node.name)
+        elif isinstance(desc, TangentAOTInput):
+            tangent_of[node.name] = desc.output
+        elif isinstance(desc, SubclassGetAttrAOTInput):
+            base = desc.base
+            while isinstance(base, SubclassGetAttrAOTInput):
+                base = base.base
+            what = f"parameter {_strip(base.target)}" if isinstance(base, (ParamAOTInput, BufferAOTInput)) else "an input"
+            raise CaptureError(
+                f"capture: {what} is a tensor subclass (e.g. a DTensor; graph input {node.name} is its "
+                f"{desc.attr}); fxoverlap's stage graphs run on plain tensors: pass plain tensors, or "
+                f"shard expert weights with fxoverlap.expert_parallel"
+            )
+        else:
+            raise CaptureError(
+                f"capture: graph input {node.name} has descriptor {desc!r}, which fxoverlap does not "
+                f"handle; please report it with the model that produced it"
+            )
+        if desc is not None and not isinstance(desc, TangentAOTInput):
+            by_input[desc] = node.name
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    outputs, grads, mutations, output_of = [], {}, {}, {}
+    for i, (val, desc) in enumerate(zip(out_node.args[0], out_node.meta.get("desc") or [])):
+        name = val.name if isinstance(val, torch.fx.Node) else None
+        if name is None and not isinstance(desc, PlainAOTOutput):
+            continue  # no gradient for an input that needs none
+        if isinstance(desc, PlainAOTOutput):
+            if name is None:
+                raise CaptureError(f"capture: step output {desc.idx} is not a tensor the graph computes")
+            outputs.append(name)
+            output_of[desc] = name
+        elif isinstance(desc, InputMutationAOTOutput):
+            target = by_input.get(desc.mutated_input)
+            if target is None or target in params:
+                raise CaptureError(
+                    f"capture: the forward mutates {desc.mutated_input!r} in place; fxoverlap applies "
+                    f"in-place updates of buffers and inputs only (not of parameters)"
+                )
+            mutations[name] = target
+        elif isinstance(desc, GradAOTOutput):
+            if isinstance(desc.grad_of, ParamAOTInput):
+                grads[name] = _strip(desc.grad_of.target)
+        else:
+            raise CaptureError(
+                f"capture: graph output {i} has descriptor {desc!r}; fxoverlap handles the step's "
+                f"outputs, parameter gradients and in-place updates of buffers"
+            )
+    tangents = {ph: output_of[d] for ph, d in tangent_of.items() if d in output_of}
+    if len(tangents) != len(tangent_of):
+        raise CaptureError("capture: a tangent seeds a graph output that is not one of the step's outputs "
+                           "(an output that aliases an input or another output?)")
+    if train and not tangents:
+        raise CaptureError("capture: the loss does not require grad; no parameter of the model is trainable")
+    return dict(param_placeholders=params, buffer_placeholders=buffers, input_placeholders=user_inputs,
+                tangents=tangents, outputs=outputs, grads=grads, mutations=mutations)

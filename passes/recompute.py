@@ -28,11 +28,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from fxoverlap.passes.tag import TAG_KEY, op_name
-from fxoverlap.region import REGION_KEY
+from fxoverlap.meta import RECOMPUTE_LAYERS_KEY, REGION_KEY, TAG_KEY, custom, op_name
 from fxoverlap.stage import Direction, StageKind, Tag
-
-RECOMPUTE_LAYERS_KEY = "fxoverlap_recompute_layers"
 
 
 class RecomputeError(RuntimeError):
@@ -43,7 +40,7 @@ def _is_mhc(node: torch.fx.Node, num_layers: int) -> bool:
     t = node.meta.get(TAG_KEY)
     return (
         t is not None and t.direction is Direction.FWD and 0 <= t.layer < num_layers
-        and (node.meta.get("custom") or {}).get(REGION_KEY) == "mhc"
+        and custom(node).get(REGION_KEY) == "mhc"
     )
 
 

@@ -1,8 +1,22 @@
 """schedule: emit the interleaved 1F1B program as an FX graph whose nodes call stages.
 
-F(0); for i = 1..N-1 the merged step F(i) ⊗ B(i-1); then B(N-1). In the merged
-step, forward layer j pairs with backward layer L-1-j (Megatron's order), four
-slots per pair, the compute stage of each slot issued before its comm stage:
+Contract
+--------
+Assumes: ``stages`` from ``split`` (plain order), the ``capture`` they came from.
+
+Guarantees: a program (``torch.fx.GraphModule``, code readable as a listing) that
+calls every stage once per microbatch, each after the stages whose outputs it
+reads, and records on every node it emits a :class:`~fxoverlap.program_ops.Step`
+(microbatch, stream, values read and written, slot). Right after a stage call
+that produces them, ``output`` hands the step's outputs (the loss) to the caller,
+``accumulate`` adds parameter gradients into ``.grad`` and ``mutate`` copies the
+new values of buffers the forward updates in place into them (so in microbatch
+order). No events and no frees: ``streams`` and ``free`` add them.
+
+The order: F(0); for i = 1..N-1 the merged step F(i) ⊗ B(i-1); then B(N-1). In
+the merged step, forward layer j pairs with backward layer L-1-j (Megatron's
+order), four slots per pair, the compute stage of each slot issued before its
+comm stage:
 
     slot | comm stream   | compute stream
     1    | B combine     | F attn          (B post right before B combine,
@@ -10,8 +24,11 @@ slots per pair, the compute stage of each slot issued before its comm stage:
     3    | B dispatch    | F experts (+ B experts wgrad)
     4    | F combine     | B attn
 
-With delayed weight-grad, B experts' wgrad joins slot 3 and B attn's wgrad joins
-the next pair's slot 1 (the last pair's runs before B embed).
+Parts (``side``): a forward attn ``side`` part is issued right after its layer's
+dispatch (slot 2), a backward attn ``early`` part right after its layer's backward
+combine (slot 1); both run under that all-to-all, in the merged step as in F(0)
+and B(N-1). With delayed weight-grad, B experts' wgrad joins slot 3 and B attn's
+wgrad joins the next pair's slot 1 (the last pair's runs before B embed).
 
 B head opens the merged step; F post of the last layer, F head and B embed close
 it. A dense layer's ``mlp`` takes the experts slot and has no comm slots. A
@@ -28,13 +45,15 @@ all-to-all. Per MoE layer l:
 
 A wgrad part with no comm stage after it (layer 0's attn, dense layers under the
 lowest MoE layer) runs right after its parent: waiting would only hold memory.
-Drain stages are outside the slots (``meta["slot"]`` None).
 
-Each program node is ``call_module`` on a stage wrapper with ``args=(microbatch,)``
-and ``meta["stage"]``, ``meta["microbatch"]`` and ``meta["slot"]`` (``(merged step,
-layer pair, slot)``, or None outside the slots); the runtime walks them in order.
+Steps
+-----
+1. Index the stages by (direction, layer, kind) and their parts by parent.
+2. Emit F(0), the merged steps, then B(N-1); each stage call with its sinks.
+3. Check that every stage ran once per microbatch.
 
-Entry point: ``schedule(stages, num_microbatches, num_layers) -> GraphModule``.
+Entry point: ``schedule(stages, capture, num_microbatches) -> GraphModule``;
+``schedule(stages, capture, 1, forward_only=True)`` emits the forward alone.
 """
 
 from __future__ import annotations
@@ -43,29 +62,32 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap.stage import Direction, Stage, StageKind, StreamKind
+from fxoverlap import program_ops
+from fxoverlap.meta import STEP_KEY
+from fxoverlap.passes.capture import Capture
+from fxoverlap.program_ops import StageCall, Step
+from fxoverlap.stage import LAYER_KIND_ORDER, Direction, Part, Stage, StageKind, StreamKind
 
-
-class StageCall(nn.Module):
-    """Placeholder module that names a stage in the program; the runtime executes it."""
-
-    def __init__(self, stage: Stage):
-        super().__init__()
-        self.stage_name = stage.name
-
-    def forward(self, microbatch: int, **_):  # pragma: no cover - the runtime interprets the program
-        raise RuntimeError("a program is walked by fxoverlap's runtime, not called")
+F, B, K = Direction.FWD, Direction.BWD, StageKind
 
 
 class _Emitter:
-    def __init__(self, stages: list[Stage]):
-        self.by_tag = {}
-        self.wgrad: dict[str, Stage] = {}  # parent stage name -> its delayed weight-grad part
+    def __init__(self, stages: list[Stage], capture: Capture):
+        self.main: dict[tuple, list[Stage]] = {}
+        self.parts: dict[tuple[str, Part], Stage] = {}  # (parent stage name, part) -> that part
         for s in stages:
-            if s.wgrad_of is None:
-                self.by_tag.setdefault((s.direction, s.layer, s.kind), []).append(s)
-            else:
-                self.wgrad[s.wgrad_of] = s
+            if s.part is Part.MAIN:
+                self.main.setdefault((s.direction, s.layer, s.kind), []).append(s)
+        for s in stages:
+            if s.part is not Part.MAIN:
+                parent = self.main[(s.direction, s.layer, s.kind)][0]
+                self.parts[(parent.name, s.part)] = s
+        self.sinks = (
+            (program_ops.output, set(capture.outputs)),
+            (program_ops.accumulate, set(capture.grads)),
+            (program_ops.mutate, set(capture.mutations)),
+        )
+        self.mutations = capture.mutations
         self.root = nn.Module()
         self.graph = torch.fx.Graph()
         self.emitted: set[tuple[str, int]] = set()
@@ -74,10 +96,10 @@ class _Emitter:
         self.slot: tuple[int, int, int] | None = None
 
     def get(self, direction: Direction, layer: int, kind: StageKind) -> list[Stage]:
-        return self.by_tag.get((direction, layer, kind), [])
+        return self.main.get((direction, layer, kind), [])
 
-    def wgrad_of(self, stages: list[Stage]) -> list[Stage]:
-        return [self.wgrad[s.name] for s in stages if s.name in self.wgrad]
+    def part(self, stages: list[Stage], part: Part) -> list[Stage]:
+        return [self.parts[(s.name, part)] for s in stages if (s.name, part) in self.parts]
 
     def emit(self, stages: list[Stage], mb: int) -> None:
         for s in stages:
@@ -90,100 +112,111 @@ class _Emitter:
             return
         self.emitted.add((s.name, mb))
         if not hasattr(self.root, s.name):
-            self.root.add_module(s.name, StageCall(s))
+            self.root.add_module(s.name, StageCall(s.name))
         node = self.graph.call_module(s.name, (mb,))
         node.name = f"{'F' if s.direction is Direction.FWD else 'B'}{mb}_{s.name.split('_', 1)[1]}"
-        node.meta["stage"] = s.name
-        node.meta["microbatch"] = mb
-        node.meta["slot"] = self.slot
+        node.meta[STEP_KEY] = Step(mb, s.stream, tuple(s.inputs), tuple(s.outputs), s.name, self.slot)
+        for marker, names in self.sinks:
+            values = tuple(v for v in s.outputs if v in names)
+            if values:
+                sink = self.graph.call_function(marker, (mb, *values))
+                sink.name = f"{marker.__name__}_{node.name}"
+                # a mutation also reads (writes into) the buffer or input it updates
+                targets = tuple(self.mutations[v] for v in values) if marker is program_ops.mutate else ()
+                sink.meta[STEP_KEY] = Step(mb, s.stream, reads=values + targets, slot=self.slot)
+
+    # ---- plain orders (F(0), the forward-only program, the drain B(N-1))
+    def forward(self, mb: int, num_layers: int) -> None:
+        self.emit(self.get(F, -1, K.EMBED), mb)
+        for layer in range(num_layers):
+            for kind in LAYER_KIND_ORDER:
+                self.emit(self.get(F, layer, kind), mb)
+                if kind is K.DISPATCH:  # issued: the side part runs under it
+                    self.emit(self.part(self.get(F, layer, K.ATTN), Part.SIDE), mb)
+        self.emit(self.get(F, num_layers, K.HEAD), mb)
+
+    def backward(self, mb: int, num_layers: int) -> None:
+        """What is left of B(mb), in plain order, each wgrad part after the next comm stage."""
+        order = list(self.get(B, num_layers, K.HEAD))
+        for layer in reversed(range(num_layers)):
+            for kind in reversed(LAYER_KIND_ORDER):
+                order += self.get(B, layer, kind)
+                if kind is K.COMBINE:  # issued: the early part runs under it
+                    order += self.part(self.get(B, layer, K.ATTN), Part.EARLY)
+        order += self.get(B, -1, K.EMBED)
+        comm_left = sum(s.stream is StreamKind.COMM for s in order)
+        pending: list[Stage] = []  # wgrad parts waiting for the next comm stage
+        for s in order:
+            self.emit([s], mb)
+            if s.stream is StreamKind.COMM:
+                comm_left -= 1
+                # issued on the comm stream: these wgrads now run alongside it
+                self.emit(pending, mb)
+                pending = []
+            if comm_left:
+                pending += self.part([s], Part.WGRAD)
+            else:  # no comm stage left to overlap with
+                self.emit(self.part([s], Part.WGRAD), mb)
+
+    # ---- F(f) ⊗ B(b)
+    def merged(self, i: int, f: int, b: int, num_layers: int) -> None:
+        self.emit(self.get(B, num_layers, K.HEAD), b)
+        for j in range(num_layers):
+            fl, bl = j, num_layers - 1 - j
+            # slot 1: B combine || F attn (+ B attn early)
+            self.slot = (i, j, 1)
+            self.emit(self.get(B, bl, K.POST), b)
+            self.emit(self.get(F, -1, K.EMBED) if fl == 0 else self.get(F, fl - 1, K.POST), f)
+            self.emit(self.get(F, fl, K.ATTN), f)
+            if j > 0:  # the previous pair's B attn weight-grad fills this B combine
+                self.emit(self.part(self.get(B, bl + 1, K.ATTN), Part.WGRAD), b)
+            self.emit(self.get(B, bl, K.COMBINE), b)
+            self.emit(self.part(self.get(B, bl, K.ATTN), Part.EARLY), b)
+            # slot 2: F dispatch || B experts (+ F attn side)
+            self.slot = (i, j, 2)
+            self.emit(self.get(B, bl, K.EXPERTS) + self.get(B, bl, K.MLP), b)
+            self.emit(self.get(F, fl, K.DISPATCH), f)
+            self.emit(self.part(self.get(F, fl, K.ATTN), Part.SIDE), f)
+            # slot 3: B dispatch || F experts
+            self.slot = (i, j, 3)
+            self.emit(self.get(F, fl, K.EXPERTS) + self.get(F, fl, K.MLP), f)
+            # B experts' weight-grad fills the B dispatch it no longer delays
+            self.emit(self.part(self.get(B, bl, K.EXPERTS) + self.get(B, bl, K.MLP), Part.WGRAD), b)
+            self.emit(self.get(B, bl, K.DISPATCH), b)
+            # slot 4: F combine || B attn
+            self.slot = (i, j, 4)
+            self.emit(self.get(B, bl, K.ATTN), b)
+            self.emit(self.get(F, fl, K.COMBINE), f)
+            self.slot = None
+        self.emit(self.get(F, num_layers - 1, K.POST), f)
+        self.emit(self.get(F, num_layers, K.HEAD), f)
+        self.emit(self.part(self.get(B, 0, K.ATTN), Part.WGRAD), b)
+        self.emit(self.get(B, -1, K.EMBED), b)
+        self.backward(b, num_layers)  # anything of B(b) the slots did not place (e.g. fallback stages)
 
 
-def _layer_kinds(direction: Direction) -> tuple[StageKind, ...]:
-    kinds = (StageKind.ATTN, StageKind.DISPATCH, StageKind.EXPERTS, StageKind.MLP, StageKind.COMBINE, StageKind.POST)
-    return kinds if direction is Direction.FWD else tuple(reversed(kinds))
-
-
-def schedule(stages: list[Stage], num_microbatches: int, num_layers: int) -> torch.fx.GraphModule:
+def schedule(
+    stages: list[Stage], capture: Capture, num_microbatches: int, forward_only: bool = False
+) -> torch.fx.GraphModule:
     if num_microbatches < 1:
         raise ValueError("schedule: need at least one microbatch")
-    e = _Emitter(stages)
-    F, B = Direction.FWD, Direction.BWD
-    K = StageKind
-    # A recompute stage (layer = first layer of its group, kind RECOMPUTE) runs
-    # right before the group's first backward stage.
+    num_layers = capture.num_layers
+    e = _Emitter(stages, capture)
     for s in stages:
         if s.kind is K.RECOMPUTE:
             first = _first_backward_of_group(stages, s)
             for mb in range(num_microbatches):
                 e.recompute_before.setdefault((first.name, mb), []).append(s)
-
-    def fwd_all(mb: int) -> None:
-        e.emit(e.get(F, -1, K.EMBED), mb)
-        for layer in range(num_layers):
-            for kind in _layer_kinds(F):
-                e.emit(e.get(F, layer, kind), mb)
-        e.emit(e.get(F, num_layers, K.HEAD), mb)
-
-    def bwd_all(mb: int) -> None:
-        """What is left of B(mb), in plain order, each wgrad part after the next comm stage."""
-        order = list(e.get(B, num_layers, K.HEAD))
-        for layer in reversed(range(num_layers)):
-            for kind in _layer_kinds(B):
-                order += e.get(B, layer, kind)
-        order += e.get(B, -1, K.EMBED)
-        comm_left = sum(s.stream is StreamKind.COMM for s in order)
-        pending: list[Stage] = []  # wgrad parts waiting for the next comm stage
-        for s in order:
-            e.emit([s], mb)
-            if s.stream is StreamKind.COMM:
-                comm_left -= 1
-                # issued on the comm stream: these wgrads now run alongside it
-                e.emit(pending, mb)
-                pending = []
-            if comm_left:
-                pending += e.wgrad_of([s])
-            else:  # no comm stage left to overlap with
-                e.emit(e.wgrad_of([s]), mb)
-
-    fwd_all(0)
-    for i in range(1, num_microbatches):
-        f, b = i, i - 1
-        e.emit(e.get(B, num_layers, K.HEAD), b)
-        for j in range(num_layers):
-            fl, bl = j, num_layers - 1 - j
-            # slot 1: B combine || F attn
-            e.slot = (i, j, 1)
-            e.emit(e.get(B, bl, K.POST), b)
-            if fl == 0:
-                e.emit(e.get(F, -1, K.EMBED), f)
-            else:
-                e.emit(e.get(F, fl - 1, K.POST), f)
-            e.emit(e.get(F, fl, K.ATTN), f)
-            if j > 0:  # the previous pair's B attn weight-grad fills this B combine
-                e.emit(e.wgrad_of(e.get(B, bl + 1, K.ATTN)), b)
-            e.emit(e.get(B, bl, K.COMBINE), b)
-            # slot 2: F dispatch || B experts
-            e.slot = (i, j, 2)
-            e.emit(e.get(B, bl, K.EXPERTS) + e.get(B, bl, K.MLP), b)
-            e.emit(e.get(F, fl, K.DISPATCH), f)
-            # slot 3: B dispatch || F experts
-            e.slot = (i, j, 3)
-            e.emit(e.get(F, fl, K.EXPERTS) + e.get(F, fl, K.MLP), f)
-            # B experts' weight-grad fills the B dispatch it no longer delays
-            e.emit(e.wgrad_of(e.get(B, bl, K.EXPERTS) + e.get(B, bl, K.MLP)), b)
-            e.emit(e.get(B, bl, K.DISPATCH), b)
-            # slot 4: F combine || B attn
-            e.slot = (i, j, 4)
-            e.emit(e.get(B, bl, K.ATTN), b)
-            e.emit(e.get(F, fl, K.COMBINE), f)
-            e.slot = None
-        e.emit(e.get(F, num_layers - 1, K.POST), f)
-        e.emit(e.get(F, num_layers, K.HEAD), f)
-        e.emit(e.wgrad_of(e.get(B, 0, K.ATTN)), b)
-        e.emit(e.get(B, -1, K.EMBED), b)
-        bwd_all(b)  # anything of B(i-1) the slots did not place (e.g. fallback stages)
-    bwd_all(num_microbatches - 1)
-    missing = [(s.name, mb) for mb in range(num_microbatches) for s in stages if (s.name, mb) not in e.emitted]
+    e.forward(0, num_layers)
+    if not forward_only:
+        for i in range(1, num_microbatches):
+            e.merged(i, i, i - 1, num_layers)
+        e.backward(num_microbatches - 1, num_layers)
+    else:
+        for mb in range(1, num_microbatches):
+            e.forward(mb, num_layers)
+    expected = [s for s in stages if not forward_only or s.direction is F]
+    missing = [(s.name, mb) for mb in range(num_microbatches) for s in expected if (s.name, mb) not in e.emitted]
     if missing:
         raise AssertionError(f"schedule: stages never placed: {missing[:5]}")
     e.graph.output(None)
@@ -193,6 +226,7 @@ def schedule(stages: list[Stage], num_microbatches: int, num_layers: int) -> tor
 
 
 def _first_backward_of_group(stages: list[Stage], rec: Stage) -> Stage:
+    """A recompute stage takes the top layer of its group (the first the backward reaches)."""
     bwd = [
         s for s in stages
         if s.direction is Direction.BWD and s.layer in rec.recompute_layers and s.kind is not StageKind.RECOMPUTE

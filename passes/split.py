@@ -6,13 +6,14 @@ activations are simply forward-stage outputs that a backward stage reads); its
 outputs are the values another stage or the graph output reads. Stages come
 back in plain execution order: every forward stage, then every backward stage.
 
-A stage with a host sync (``.item()``, ``.tolist()``) or a data-dependent shape
-is recorded as not capturable (for CUDA graphs), with the node that makes it so.
+Each stage records whether a CUDA graph can hold it (``not_capturable_reason``:
+communication, a host sync, a data-dependent shape, an in-place op, or nothing
+to launch), with the node that makes it so; this is the one place that is decided.
 
 With ``delay_wgrad``, each backward ``attn``/``experts``/``mlp`` stage is cut in
 two: the weight-gradient part (nodes whose results reach only parameter-gradient
-outputs) becomes a stage of its own, ``<name>_wgrad`` with ``wgrad_of`` naming its
-parent, so the schedule can run it where it fills a comm slot.
+outputs) becomes a stage of its own, part ``WGRAD`` (``<name>_wgrad``), so the
+schedule can run it where it fills a comm slot.
 
 Entry point: ``split(gm, num_layers, delay_wgrad=False) -> list[Stage]`` (plain
 data); assumes ``tag`` ran.
@@ -20,12 +21,14 @@ data); assumes ``tag`` ran.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap.passes.tag import TAG_KEY, is_host_sync, op_name
-from fxoverlap.stage import COMM_KINDS, Direction, Stage, StageKind, StreamKind, Tag, stage_name
+from fxoverlap.meta import RECOMPUTE_LAYERS_KEY, TAG_KEY, is_host_sync, op_name
+from fxoverlap.stage import COMM_KINDS, Direction, Part, Stage, StageKind, Tag, stage_name
 
 
 def _has_unbacked_shape(node: torch.fx.Node) -> bool:
@@ -91,60 +94,87 @@ _WGRAD_KINDS = (StageKind.ATTN, StageKind.EXPERTS, StageKind.MLP)
 
 
 def _wgrad_part(nodes: list[torch.fx.Node], output: torch.fx.Node) -> list[torch.fx.Node]:
-    """Nodes of a backward stage whose results reach only the graph's gradient outputs."""
-    members, wgrad = set(nodes), set()
+    """Nodes of a backward stage whose results reach only the graph's gradient outputs
+    (a backward node that feeds the graph output feeds a gradient)."""
+    wgrad: set[torch.fx.Node] = set()
     for n in reversed(nodes):
         users = list(n.users)
-        if users and all(u in wgrad or (u is output and n is not output.args[0][0]) for u in users):
+        if users and all(u in wgrad or u is output for u in users):
             wgrad.add(n)
     # A wgrad part made only of views of saved tensors is not worth a stage.
     heavy = [n for n in wgrad if n.op == "call_function" and "view" not in op_name(n) and op_name(n) not in ("aten.t", "aten.transpose")]
     return [n for n in nodes if n in wgrad] if heavy else []
 
 
+def launches_kernel(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph computes anything (not only views and metadata ops)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if isinstance(t, torch._ops.OpOverload):
+            if not t.is_view and "sym_" not in t._schema.name:
+                return True
+        elif t is not operator.getitem:
+            return True  # a Python function or a custom callable: assume it computes
+    return False
+
+
+def not_capturable_reason(name: str, kind: StageKind, gm: torch.fx.GraphModule) -> str | None:
+    """Why a CUDA graph cannot hold this stage, or None: the one place capturability is decided.
+
+    Communication stays eager (NCCL kernels in a graph hung process-group teardown
+    on the GPU machine); a host sync or a data-dependent shape cannot be replayed; an
+    in-place op would be repeated on the graph's static copy of its input; a stage
+    of only views and metadata ops has nothing to capture (its outputs would alias
+    the graph's static inputs).
+    """
+    if kind in COMM_KINDS:
+        return f"stage {name}: communication stage (stays eager on the comm stream)"
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if is_host_sync(n):
+            return f"stage {name}: host sync at node {n.name} ({op_name(n)})"
+        if _has_unbacked_shape(n):
+            return f"stage {name}: data-dependent shape at node {n.name} ({op_name(n)})"
+        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return f"stage {name}: in-place op at node {n.name} ({op_name(n)}) mutates an input"
+    if not launches_kernel(gm):
+        return f"stage {name}: only views and metadata ops, nothing to capture"
+    return None
+
+
 def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) -> list[Stage]:
-    groups: dict[tuple[Tag, bool], list[torch.fx.Node]] = {}
+    groups: dict[Tag, list[torch.fx.Node]] = {}
     for n in gm.graph.nodes:
         t = n.meta.get(TAG_KEY)
         if t is not None:
-            groups.setdefault((t, False), []).append(n)
+            groups.setdefault(t, []).append(n)
     if delay_wgrad:
         output = next(iter(gm.graph.find_nodes(op="output")))
-        for (t, _), nodes in list(groups.items()):
-            if t.direction is Direction.BWD and t.kind in _WGRAD_KINDS:
+        for t, nodes in list(groups.items()):
+            if t.direction is Direction.BWD and t.kind in _WGRAD_KINDS and t.part is Part.MAIN:
                 w = _wgrad_part(nodes, output)
                 if w and len(w) < len(nodes):
                     wset = set(w)
-                    groups[(t, False)] = [n for n in nodes if n not in wset]
-                    groups[(t, True)] = w
+                    groups[t] = [n for n in nodes if n not in wset]
+                    groups[t.with_part(Part.WGRAD)] = w
     stages = []
-    for t, is_wgrad in sorted(groups, key=lambda k: (k[0].sort_key(num_layers), k[1])):
-        nodes = groups[(t, is_wgrad)]
+    for t in sorted(groups, key=lambda k: k.sort_key(num_layers)):
+        nodes = groups[t]
         inputs, outputs = stage_boundary(nodes)
-        name = stage_name(t, "_wgrad" if is_wgrad else "")
-        stage = Stage(
+        name = stage_name(t)
+        stage_gm = build_stage_module(gm, nodes, inputs, outputs, name)
+        stages.append(Stage(
             name=name,
-            layer=t.layer,
-            kind=t.kind,
-            direction=t.direction,
-            stream=StreamKind.COMM if t.kind in COMM_KINDS else StreamKind.COMP,
-            graph_module=build_stage_module(gm, nodes, inputs, outputs, name),
+            tag=t,
+            graph_module=stage_gm,
             inputs=inputs,
             outputs=outputs,
-            wgrad_of=stage_name(t) if is_wgrad else None,
-            recompute_layers=tuple(nodes[0].meta.get("fxoverlap_recompute_layers", ())),
-        )
-        for n in nodes:
-            if is_host_sync(n):
-                stage.capturable, stage.not_capturable_reason = False, f"host sync at node {n.name} ({op_name(n)})"
-                break
-            if _has_unbacked_shape(n):
-                stage.capturable = False
-                stage.not_capturable_reason = f"data-dependent shape at node {n.name} ({op_name(n)})"
-                break
-        if stage.stream is StreamKind.COMM:
-            stage.capturable, stage.not_capturable_reason = False, "communication stage"
-        stages.append(stage)
+            not_capturable_reason=not_capturable_reason(name, t.kind, stage_gm),
+            recompute_layers=tuple(nodes[0].meta.get(RECOMPUTE_LAYERS_KEY, ())),
+        ))
     _check_order(stages)
     return stages
 

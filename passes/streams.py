@@ -1,15 +1,20 @@
-"""streams: put each stage call on its stream and add events on cross-stream edges.
+"""streams: add events on the program's cross-stream edges.
 
-Comm stages (dispatch, combine) run on the comm stream, everything else on the
-compute stream. For every edge from a stage call on one stream to a stage call
-of the same microbatch on the other, the producer records an event right after
-it and the consumer waits on it right before it; nothing else is added. A wait
-is left out when the consumer's stream already waited on a later event of the
-same producer stream (stream order makes it redundant). The program starts with
-the comm stream waiting for the compute stream (inputs and parameters were
-written there) and ends with the compute stream waiting for the comm stream.
+Contract
+--------
+Assumes: ``schedule`` ran (every stage call and sink carries a ``Step`` with its
+stream, reads and writes).
 
-Entry point: ``streams(program, stages) -> GraphModule``; assumes ``schedule`` ran.
+Guarantees: for every edge from a node on one stream to a node of the same
+microbatch on the other that reads what it wrote, the producer records an event
+right after it and the consumer waits on it right before it; nothing else is
+added. A wait is left out when the consumer's stream already waited on a later
+event of the same producer stream (stream order makes it redundant). The program
+starts with the comm stream waiting for the compute stream (inputs and
+parameters were written there) and ends with the compute stream waiting for the
+comm stream. Which stream a node runs on is the Step's, decided by ``split``.
+
+Entry point: ``streams(program) -> GraphModule``.
 """
 
 from __future__ import annotations
@@ -17,38 +22,33 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from fxoverlap.program_ops import record_event, wait_event
-from fxoverlap.stage import Stage, StreamKind
+from fxoverlap.program_ops import record_event, steps, wait_event
+from fxoverlap.stage import StreamKind
 
 COMP, COMM = StreamKind.COMP.value, StreamKind.COMM.value
 
 
-def streams(program: torch.fx.GraphModule, stages: list[Stage]) -> torch.fx.GraphModule:
-    by_name = {s.name: s for s in stages}
+def streams(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = program.graph
-    calls = [n for n in graph.nodes if n.op == "call_module"]
-    if not calls:
+    nodes = steps(program)
+    if not nodes:
         return program
-    position = {n: i for i, n in enumerate(calls)}
-    stream_of = {n: by_name[n.meta["stage"]].stream.value for n in calls}
-    for n in calls:
-        n.kwargs = {**n.kwargs, "stream": stream_of[n]}
-
-    with graph.inserting_before(calls[0]):
+    position = {n: i for i, (n, _) in enumerate(nodes)}
+    stream_of = {n: s.stream.value for n, s in nodes}
+    with graph.inserting_before(nodes[0][0]):
         graph.call_function(record_event, ("start", COMP))
     start_waited = False
-
     producer: dict[tuple[int, str], torch.fx.Node] = {}
     recorded: dict[torch.fx.Node, str] = {}
-    # latest producer position each stream has waited on, per other stream
+    # latest producer position each stream has waited on
     waited: dict[str, int] = {COMP: -1, COMM: -1}
-    for n in calls:
-        stage, mb, stream = by_name[n.meta["stage"]], n.meta["microbatch"], stream_of[n]
+    for n, step in nodes:
+        stream = stream_of[n]
         if stream == COMM and not start_waited:
             with graph.inserting_before(n):
                 graph.call_function(wait_event, ("start", COMM))
             start_waited = True
-        deps = {producer[(mb, v)] for v in stage.inputs if (mb, v) in producer}
+        deps = {producer[(step.microbatch, v)] for v in step.reads if (step.microbatch, v) in producer}
         cross = sorted((p for p in deps if stream_of[p] != stream), key=position.get)
         if cross:
             latest = cross[-1]  # waiting on the latest implies the earlier ones (same stream)
@@ -60,8 +60,8 @@ def streams(program: torch.fx.GraphModule, stages: list[Stage]) -> torch.fx.Grap
                 with graph.inserting_before(n):
                     graph.call_function(wait_event, (recorded[latest], stream))
                 waited[stream] = position[latest]
-        for v in stage.outputs:
-            producer[(mb, v)] = n
+        for v in step.writes:
+            producer[(step.microbatch, v)] = n
     if start_waited:
         out = next(iter(graph.find_nodes(op="output")))
         with graph.inserting_before(out):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxoverlap.passes.tag import TAG_KEY, op_name
+import re
+
+from fxoverlap.meta import TAG_KEY, op_name
 
 requires_pinned_torch = pytest.mark.skipif(
     not torch.__version__.startswith("2.13"),
@@ -26,10 +28,14 @@ def render_tagged(gm: torch.fx.GraphModule, direction: str = "fwd") -> str:
 
 
 def render_program(program: torch.fx.GraphModule) -> str:
-    """The program's code without FX's trailing `x = None` bookkeeping."""
+    """The program's code without FX's trailing `x = None` bookkeeping; a free, output,
+    accumulate or mutate node of more than three values shows how many."""
     out = []
     for line in program.code.strip().splitlines():
-        line = line.split(";  ")[0].rstrip()
-        if line.strip() and not line.strip().startswith("return"):
-            out.append(line.strip())
+        line = line.split(";  ")[0].strip()
+        m = re.match(r"(.*fxoverlap_program_(?:free|output|accumulate|mutate)\((\d+), )(.*)\)$", line)
+        if m and m.group(3).count(",") >= 3:
+            line = f"{m.group(1)}<{m.group(3).count(',') + 1} values>)"
+        if line and not line.startswith("return"):
+            out.append(line)
     return "\n".join(out)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import fxoverlap.backend as fxb
 from fxoverlap.models.moe import Block, MoEConfig, MoETransformer
-from fxoverlap.program_ops import record_event, wait_event
+from fxoverlap.program_ops import record_event, stage_calls, wait_event
 from fxoverlap.stage import Direction, StageKind, StreamKind
 from fxoverlap.testing import grad_diff, run_distributed
 
@@ -55,14 +55,14 @@ def _compare(make_model, vocab: int, rank: int, steps: int = 2, backend="fxoverl
         worst, scale, bitwise = grad_diff(model, {n: p.grad for n, p in eager.named_parameters()})
         out["grads"].append((worst, scale, bitwise))
     step_obj = fxb.last_compiled()
-    comm_stream = getattr(step_obj, "_comm_stream", None)
+    comm_stream = None if step_obj is None else step_obj.runner.streams.get(StreamKind.COMM)
     out["separate_comm_stream"] = comm_stream is not None and comm_stream != torch.cuda.current_stream()
     out["stages"] = [(s.name, s.kind, s.direction, s.stream) for s in (step_obj.stages if step_obj else [])]
     out["events"] = 0 if step_obj is None else sum(
         n.op == "call_function" and n.target in (record_event, wait_event) for n in step_obj.program.graph.nodes
     )
     out["program_streams"] = [] if step_obj is None else [
-        (n.meta["stage"], n.kwargs.get("stream")) for n in step_obj.program.graph.nodes if n.op == "call_module"
+        (step.stage, step.stream.value) for _, step in stage_calls(step_obj.program)
     ]
     return out
 
@@ -166,20 +166,69 @@ class _Breaks(torch.nn.Module):
         return self.b(torch.relu(self.a(x))).square().mean()
 
 
-def test_graph_break_falls_back_with_warning():
+def test_graph_break_pieces_compile():
+    """A graph break hands the backend pieces, the first returning an activation: each
+    piece is staged, its outputs' incoming gradients seed its backward."""
     torch.manual_seed(0)
     eager = _Breaks()
     model = copy.deepcopy(eager)
     x = torch.randn(4, 8)
     torch._dynamo.reset()
+    fxb.reset()
     compiled = torch.compile(model, backend="fxoverlap")
-    with pytest.warns(fxb.FallbackWarning, match="not a scalar floating-point loss"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxb.FallbackWarning)
         loss = compiled(x)
     loss.backward()
     ref = eager(x)
     ref.backward()
     assert torch.equal(loss, ref)
     assert grad_diff(model, {n: p.grad for n, p in eager.named_parameters()})[2]
+    assert fxb.last_compiled() is not None
+
+
+class _Counting(torch.nn.Module):
+    """Returns logits (the loss is computed outside) and counts tokens in a buffer, as
+    torchtitan's MoE counts tokens per expert under no_grad in every training forward."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.model = MoETransformer(cfg, None)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("running", torch.zeros(cfg.vocab_size))
+
+    def forward(self, tokens):
+        logits = self.model(tokens)
+        with torch.no_grad():
+            self.seen.add_(tokens.numel())
+            self.running.mul_(0.9).add_(logits.detach().mean((0, 1)), alpha=0.1)  # a running statistic
+        return logits
+
+
+def test_logits_and_buffer_mutations():
+    cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
+    torch.manual_seed(0)
+    eager = _Counting(cfg)
+    torch.manual_seed(0)
+    model = _Counting(cfg)
+    torch._dynamo.reset()
+    fxb.reset()
+    compiled = torch.compile(model, backend="fxoverlap")
+    for step in range(2):
+        tokens, labels = _batch(0, step, cfg.vocab_size)
+        ref = torch.nn.functional.cross_entropy(eager(tokens).flatten(0, 1), labels.flatten())
+        ref.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fxb.FallbackWarning)
+            logits = compiled(tokens)
+        assert logits.shape == (2, 16, cfg.vocab_size)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        assert torch.equal(loss, ref), step
+        assert grad_diff(model, {n: p.grad for n, p in eager.named_parameters()})[2], step
+        assert int(model.seen) == int(eager.seen) == 32 * (step + 1)
+        assert torch.equal(model.running, eager.running), step
+    assert fxb.last_compiled().capture.mutations  # the updates went through the staged program
 
 
 def test_no_grad_runs_plain_graph():

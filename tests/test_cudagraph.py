@@ -31,9 +31,10 @@ import fxoverlap
 import fxoverlap.cudagraphs as cg
 from fxoverlap import program_ops
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.passes.cudagraph import cudagraph, skip_reason
+from fxoverlap.passes.cudagraph import cudagraph
+from fxoverlap.passes.split import not_capturable_reason
 from fxoverlap.runtime import ProgramRunner
-from fxoverlap.stage import Direction, Stage, StageKind, StreamKind
+from fxoverlap.stage import StageKind, StreamKind
 
 
 def _model(routing: str, **kw):
@@ -55,8 +56,8 @@ def _grads(model):
     return out
 
 
-def _calls(program):
-    return [n for n in program.graph.nodes if n.op == "call_module" and "stage" in n.meta]
+def _graphed(engine) -> set[str]:
+    return {s.name for s in engine.stages if s.graphed}
 
 
 def _run(model, config, mbs):
@@ -78,19 +79,11 @@ def test_capacity_every_compute_stage_graphed():
     comm = {s.name for s in engine.stages if s.stream is StreamKind.COMM}
     assert comp and comm
     assert all(by_name[n].capturable for n in comp), engine.stage_table()
-    marked = {n.meta["stage"] for n in _calls(engine.program) if n.meta.get("cudagraph")}
-    assert marked == comp
-    for n in _calls(engine.program):
-        s = by_name[n.meta["stage"]]
-        if s.name in comm:
-            assert "cudagraph" not in n.meta
-            assert "communication stage" in n.meta["cudagraph_skip"] and s.name in n.meta["cudagraph_skip"]
-        else:
-            assert n.meta["cudagraph"] is True and "cudagraph_skip" not in n.meta
-    for name in comp:
-        assert by_name[name].cudagraph_owned_outputs == set(by_name[name].outputs)
+    assert _graphed(engine) == comp
     for name in comm:
-        assert not getattr(by_name[name], "cudagraph_owned_outputs", None)
+        reason = by_name[name].not_capturable_reason
+        assert "communication stage" in reason and name in reason
+    assert {s.name for s in engine.stages if s.runs_as == "graphed"} == comp
 
 
 def test_dropless_experts_skipped_with_reason(caplog):
@@ -100,15 +93,14 @@ def test_dropless_experts_skipped_with_reason(caplog):
     comp = [s for s in engine.stages if s.stream is StreamKind.COMP]
     experts = {s.name for s in comp if s.kind is StageKind.EXPERTS}
     assert len(experts) == 2 * model.cfg.n_layers  # fwd and bwd of every MoE layer
-    marked = {n.meta["stage"] for n in _calls(engine.program) if n.meta.get("cudagraph")}
+    marked = _graphed(engine)
     assert marked == {s.name for s in comp} - experts
-    nodes_of = {s.name: {n.name for n in s.graph_module.graph.nodes} for s in engine.stages}
-    for n in _calls(engine.program):
-        if n.meta["stage"] in experts:
-            reason = n.meta["cudagraph_skip"]
-            assert reason.startswith(f"stage {n.meta['stage']}: data-dependent shape at node ")
+    for s in engine.stages:
+        if s.name in experts:
+            reason = s.not_capturable_reason
+            assert reason.startswith(f"stage {s.name}: data-dependent shape at node ")
             node = reason.split("at node ")[1].split(" ")[0]
-            assert node in nodes_of[n.meta["stage"]], reason
+            assert node in {n.name for n in s.graph_module.graph.nodes}, reason
     # Each skipped stage's reason is logged once, though it is called for 3 microbatches.
     logged = [r.getMessage() for r in caplog.records if "not captured" in r.getMessage()]
     skipped = {s.name for s in engine.stages} - marked
@@ -122,7 +114,7 @@ def test_free_leaves_graph_owned_outputs():
     model = _model("capacity")
     with pytest.warns(UserWarning):
         engine, _, _ = _run(model, fxoverlap.OverlapConfig(cuda_graphs=True), _batches(3, 256))
-    owned = set().union(*(getattr(s, "cudagraph_owned_outputs", set()) for s in engine.stages))
+    owned = set().union(*(s.outputs for s in engine.stages if s.graphed))
     freed = set()
     for n in engine.program.graph.nodes:
         if n.op == "call_function" and n.target is program_ops.free:
@@ -142,17 +134,17 @@ def test_pass_is_idempotent_and_keeps_code():
     model = _model("capacity")
     engine, _, _ = _run(model, fxoverlap.OverlapConfig(), _batches(2, 256))
     code = engine.program.code
-    prog = cudagraph(engine.program, engine.stages)
-    marks = {n.name: (n.meta.get("cudagraph"), n.meta.get("cudagraph_skip")) for n in _calls(prog)}
-    prog = cudagraph(prog, engine.stages)
-    assert prog.code == code
-    assert marks == {n.name: (n.meta.get("cudagraph"), n.meta.get("cudagraph_skip")) for n in _calls(prog)}
+    graphs = [s.graph_module.code for s in engine.stages]
+    assert not _graphed(engine)
+    cudagraph(engine.stages)
+    marks = _graphed(engine)
+    cudagraph(engine.stages)
+    assert marks == _graphed(engine) == {s.name for s in engine.stages if s.capturable}
+    assert engine.program.code == code and graphs == [s.graph_module.code for s in engine.stages]
 
 
-def _stage_of(fn, name="fwd_l0_attn") -> Stage:
-    gm = torch.fx.symbolic_trace(fn)
-    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return Stage(name, 0, StageKind.ATTN, Direction.FWD, StreamKind.COMP, gm, inputs, ["out"])
+def _reason(fn, name="fwd_l0_attn", kind=StageKind.ATTN) -> str | None:
+    return not_capturable_reason(name, kind, torch.fx.symbolic_trace(fn))
 
 
 def test_skip_reasons_mutation_and_views():
@@ -165,13 +157,15 @@ def test_skip_reasons_mutation_and_views():
     def computes(x):
         return torch.ops.aten.mul.Tensor(x, 2)
 
-    r = skip_reason(_stage_of(mutates))
+    def syncs(x):
+        return torch.ops.aten._local_scalar_dense.default(x)
+
+    r = _reason(mutates)
     assert r is not None and "in-place op at node add_" in r and "aten.add_" in r
-    assert "only views" in skip_reason(_stage_of(views))
-    assert skip_reason(_stage_of(computes)) is None
-    s = _stage_of(computes)
-    s.capturable, s.not_capturable_reason = False, "host sync at node item (aten.item)"
-    assert skip_reason(s) == "stage fwd_l0_attn: host sync at node item (aten.item)"
+    assert "only views" in _reason(views)
+    assert _reason(computes) is None
+    assert _reason(syncs) == "stage fwd_l0_attn: host sync at node _local_scalar_dense_default (aten._local_scalar_dense)"
+    assert "communication stage" in _reason(computes, "fwd_l0_dispatch", StageKind.DISPATCH)
 
 
 # ---------------------------------------------------------------- CPU: a no-op
@@ -307,14 +301,14 @@ def fake_cuda(monkeypatch):
 
     @contextlib.contextmanager
     def stream_ctx(self, stream):
-        prev, backend.cur = backend.cur, backend.streams[stream or "comp"]
+        prev, backend.cur = backend.cur, backend.streams[str(stream)]
         try:
             yield
         finally:
             backend.cur = prev
 
     monkeypatch.setattr(cg.GraphCache, "get", get)
-    monkeypatch.setattr(ProgramRunner, "_stream_ctx", stream_ctx)
+    monkeypatch.setattr(ProgramRunner, "_ctx", stream_ctx)
     backend.made = made
     return backend
 
@@ -341,7 +335,7 @@ def test_replay_logic_bitwise(fake_cuda, routing, n):
         bad = [k for k in grads if not torch.equal(grads[k], ref_grads[k])]
         assert not bad, (step, bad)
     (sg,) = fake_cuda.made
-    graphed = {n.meta["stage"] for n in _calls(engine.program) if n.meta.get("cudagraph")}
+    graphed = _graphed(engine)
     assert sg.copies == (1 if n == 1 else 2)
     assert sg.summary()["graphs"] == len(graphed) * min(n, 2) == len(fake_cuda.graphs)
     assert sg.summary()["eager_fallbacks"] == {}

@@ -24,10 +24,13 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes.free import free
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
-from fxoverlap.runtime import ProgramRunner, live_bytes, seed_tangent, static_storage_keys, static_values
-from fxoverlap.stage import Direction
+from fxoverlap.meta import STEP_KEY
+from fxoverlap.program_ops import Step
+from fxoverlap.runtime import ProgramRunner, accumulate_into, live_bytes, static_storage_keys, static_values
+from fxoverlap.stage import Direction, StreamKind
 from fxoverlap.testing import grad_diff, run_distributed
 from numerics_cases import eager_grads
+from snapshot_utils import render_program
 
 CFG = MoEConfig.tiny(n_layers=2, dim=32, n_heads=2, n_experts=4, expert_dim=16)
 PINNED = torch.__version__.startswith("2.13")
@@ -44,31 +47,29 @@ def _model_and_batches(rank: int, ep_group, n_mb: int):
     return model, mbs
 
 
-def _capture_of(engine):
-    return engine._last[0].capture  # the plan of the last forward_backward
+def _capture_of(engine, mbs):
+    return engine.plan(mbs).capture
 
 
-def check_program_frees(program, stages, capture) -> int:
-    """Walk the program: no stage reads a freed value, nothing is freed twice, every
-    per-microbatch value is freed, and each free follows the stage call it belongs
-    to with at most event records in between. Returns the number of free nodes."""
-    by_name = {s.name: s for s in stages}
-    static = set(capture.param_placeholders) | set(capture.buffer_placeholders)
+def check_program_frees(program, capture) -> int:
+    """Walk the program: no node reads a freed value, nothing is freed twice, every
+    per-microbatch value is freed, and each free follows the node it belongs to with
+    at most event records in between. Returns the number of free nodes."""
+    static = capture.static_placeholders
     produced: set[tuple[int, str]] = set()
     freed: set[tuple[int, str]] = set()
     started: set[int] = set()
     count = 0
     for n in program.graph.nodes:
-        if n.op == "call_module":
-            stage, mb = by_name[n.meta["stage"]], n.meta["microbatch"]
+        step = n.meta.get(STEP_KEY)
+        if step is not None:
+            mb = step.microbatch
             if mb not in started:
                 started.add(mb)
-                produced.update((mb, v) for v in capture.input_placeholders)
-            for v in stage.inputs:
+                produced.update((mb, v) for v in (*capture.input_placeholders, *capture.tangents))
+            for v in step.reads:
                 assert (mb, v) not in freed, f"{n.name} reads {v} of microbatch {mb} after it was freed"
-            born = {(mb, v) for v in stage.outputs}
-            if capture.loss_name in stage.outputs and capture.tangent_placeholder:
-                born.add((mb, capture.tangent_placeholder))
+            born = {(mb, v) for v in step.writes}
             produced |= born
             freed -= born  # produced again (a recompute stage): a new definition to free
         elif n.op == "call_function" and n.target is program_ops.free:
@@ -83,11 +84,11 @@ def check_program_frees(program, stages, capture) -> int:
                 while prev.op == "call_function" and prev.target is program_ops.record_event:
                     events.append(prev)
                     prev = prev.prev
-                assert prev.op == "call_module" and prev.meta["microbatch"] == mb, f"{n.name} does not follow a call"
-                # only the event recorded on the call's own stream right after it sits in between
-                assert all(e.args[1] == prev.kwargs.get("stream") for e in events), f"{n.name}: {events}"
-                s = by_name[prev.meta["stage"]]
-                touched = set(s.inputs) | set(s.outputs) | {capture.tangent_placeholder}
+                prev_step = prev.meta.get(STEP_KEY)
+                assert prev_step is not None and prev_step.microbatch == mb, f"{n.name} does not follow a node of mb {mb}"
+                # only the event recorded on the node's own stream right after it sits in between
+                assert all(e.args[1] == prev_step.stream.value for e in events), f"{n.name}: {events}"
+                touched = set(prev_step.reads) | set(prev_step.writes) | set(capture.tangents)
                 assert set(names) <= touched, f"{n.name} frees {set(names) - touched}, which {prev.name} does not touch"
     leaked = {(mb, v) for mb, v in produced if v not in static} - freed
     assert not leaked, f"never freed: {sorted(leaked)[:10]}"
@@ -107,11 +108,10 @@ def stage_bytes(stages, capture, model, mbs) -> tuple[int, int, str]:
     with torch.no_grad():
         for mb in mbs:
             store = dict(static, **dict(zip(capture.input_placeholders, mb)))
+            store.update({ph: torch.ones(()) for ph in capture.tangents})
             for s in stages:
                 outs = s.graph_module(*[store[v] for v in s.inputs])
                 store.update(zip(s.outputs, outs))
-                if capture.loss_name in s.outputs:
-                    seed_tangent(capture, store)
                 touched = {v: store[v] for v in (*s.inputs, *s.outputs)}
                 work = live_bytes([touched], keys)
                 if work > work_max:
@@ -137,15 +137,22 @@ def _distributed_checks(rank: int, world_size: int, n_mb: int) -> dict:
 
     for call in range(2):  # the stores must be empty after each call, not just the first
         record(f"on{call}", engine.forward_backward(mbs), engine.memory_trace)
-    cap = _capture_of(engine)
-    out["free_nodes"] = check_program_frees(engine.program, engine.stages, cap)
-    runner = ProgramRunner(engine.program, engine.stages, cap, model, torch.device("cpu"), record_memory=True)
-    record("runner", runner.run(mbs), runner.memory_trace)
-    out["leftover"] = runner.leftover
+    cap = _capture_of(engine, mbs)
+    out["free_nodes"] = check_program_frees(engine.program, cap)
+
+    def run(program):
+        runner = ProgramRunner(program, engine.stages, cap, torch.device("cpu"), grads=accumulate_into(model, cap),
+                               record_memory=True)
+        state = runner.run(static_values(cap, model), mbs)
+        return state, [o[cap.loss_name] for o in state.outputs]
+
+    state, losses = run(engine.program)
+    record("runner", losses, state.memory_trace)
+    out["leftover"] = {mb: names for mb, st in enumerate(state.stores)
+                       if (names := [v for v in st if v not in cap.static_placeholders])}
     # The same stages without the free pass (what free_early=False builds; no second capture).
-    unfreed = streams(schedule(engine.stages, n_mb, cap.num_layers), engine.stages)
-    runner = ProgramRunner(unfreed, engine.stages, cap, model, torch.device("cpu"), record_memory=True)
-    record("off", runner.run(mbs), runner.memory_trace)
+    state, losses = run(streams(schedule(engine.stages, cap, n_mb)))
+    record("off", losses, state.memory_trace)
     out["saved"], out["work"], out["work_stage"] = stage_bytes(engine.stages, cap, model, mbs)
     return out
 
@@ -193,23 +200,24 @@ class TestFreePass(expecttest.TestCase):
 
     def test_single_rank_frees_everything(self):
         engine, model, mbs = self._engine(n_mb=3)
-        check_program_frees(engine.program, engine.stages, _capture_of(engine))
+        check_program_frees(engine.program, _capture_of(engine, mbs))
         self.assertEqual(engine.memory_trace[-1], ("end", -1, 0))
         # the trace has one entry per stage call and free node, plus the end
         n = sum(1 for node in engine.program.graph.nodes if node.op == "call_module" or node.target is program_ops.free)
         self.assertEqual(len(engine.memory_trace), n + 1)
 
     def test_cudagraph_owned_outputs_are_never_freed(self):
-        engine, _, _ = self._engine()
-        cap = _capture_of(engine)
+        engine, _, mbs = self._engine()
+        cap = _capture_of(engine, mbs)
         stages = [copy.copy(s) for s in engine.stages]
-        experts = next(s for s in stages if s.name == "fwd_l0_experts")
-        experts.cudagraph_owned_outputs = {"grouped_mm_2"} & set(experts.outputs) or {experts.outputs[-1]}
-        owned = next(iter(experts.cudagraph_owned_outputs))
-        prog = free(streams(schedule(stages, 2, cap.num_layers), stages), stages, cap)
+        post = next(s for s in stages if s.name == "fwd_l0_post")
+        post.graphed = True
+        prog = free(streams(schedule(stages, cap, 2)), stages, cap)
         freed = [v for n in prog.graph.nodes if n.target is program_ops.free for v in n.args[1:]]
-        self.assertNotIn(owned, freed)
-        self.assertIn(experts.outputs[0], freed)  # the stage's other outputs still are
+        for v in post.outputs:
+            self.assertNotIn(v, freed)
+        experts = next(s for s in stages if s.name == "fwd_l0_experts")
+        self.assertIn(experts.outputs[0], freed)  # other stages' outputs still are
         # a second run of the pass adds nothing
         before = prog.code
         self.assertEqual(free(prog, stages, cap).code, before)
@@ -221,28 +229,24 @@ class TestFreePass(expecttest.TestCase):
 
         import torch.nn as nn
 
-        from fxoverlap.passes.schedule import StageCall
-        from fxoverlap.stage import Stage, StageKind, StreamKind
-
-        def stage(name, direction, inputs, outputs, kind=StageKind.ATTN):
-            return Stage(name, 0, kind, direction, StreamKind.COMP, None, inputs, outputs)
+        def step(name, direction, reads, writes):
+            return name, Step(0, StreamKind.COMP, tuple(reads), tuple(writes), name)
 
         F, B = Direction.FWD, Direction.BWD
-        stages = [
-            stage("fwd_a", F, ["inp", "w"], ["x", "loss"]),
-            stage("fwd_b", F, ["x"], ["y"]),
-            stage("rec", B, ["inp"], ["x"], StageKind.RECOMPUTE),
-            stage("bwd_a", B, ["x", "y", "tan", "w"], ["gw"]),
+        calls = [
+            step("fwd_a", F, ["inp", "w"], ["x", "loss"]),
+            step("fwd_b", F, ["x"], ["y"]),
+            step("rec", B, ["inp"], ["x"]),
+            step("bwd_a", B, ["x", "y", "tan", "w"], ["gw"]),
         ]
-        cap = SimpleNamespace(param_placeholders={"w": "w"}, buffer_placeholders={}, input_placeholders=["inp"],
-                              loss_name="loss", tangent_placeholder="tan")
+        cap = SimpleNamespace(static_placeholders={"w"}, input_placeholders=["inp"], tangents={"tan": "loss"})
         root, graph = nn.Module(), torch.fx.Graph()
-        for st in stages:
-            root.add_module(st.name, StageCall(st))
-            node = graph.call_module(st.name, (0,))
-            node.meta.update(stage=st.name, microbatch=0)
+        for name, st in calls:
+            root.add_module(name, program_ops.StageCall(name))
+            node = graph.call_module(name, (0,))
+            node.meta[STEP_KEY] = st
         graph.output(None)
-        prog = free(torch.fx.GraphModule(root, graph), stages, cap)
+        prog = free(torch.fx.GraphModule(root, graph), [], cap)
         frees = [(n.prev.name, n.args[1:]) for n in prog.graph.nodes if n.target is program_ops.free]
         self.assertEqual(frees, [
             ("fwd_a", ("loss",)),
@@ -273,163 +277,214 @@ class TestFreePass(expecttest.TestCase):
     @unittest.skipUnless(PINNED, "snapshot pinned to torch 2.13 (aten op names change across releases)")
     def test_program_snapshot(self):
         engine, _, _ = self._engine()
-        self.assertExpectedInline(engine.program.code.strip(), """\
+        self.assertExpectedInline(render_program(engine.program), """\
 def forward(self):
-    record_event = fxoverlap_program_record_event('start', 'comp');  record_event = None
-    F0_model_embed = self.fwd_model_embed(0, stream = 'comp');  F0_model_embed = None
-    F0_l0_attn = self.fwd_l0_attn(0, stream = 'comp');  F0_l0_attn = None
-    record_event_1 = fxoverlap_program_record_event('ev_F0_l0_attn', 'comp');  record_event_1 = None
-    wait_event = fxoverlap_program_wait_event('start', 'comm');  wait_event = None
-    wait_event_1 = fxoverlap_program_wait_event('ev_F0_l0_attn', 'comm');  wait_event_1 = None
-    F0_l0_dispatch = self.fwd_l0_dispatch(0, stream = 'comm');  F0_l0_dispatch = None
-    record_event_2 = fxoverlap_program_record_event('ev_F0_l0_dispatch', 'comm');  record_event_2 = None
-    free_F0_l0_dispatch = fxoverlap_program_free(0, 'index_select');  free_F0_l0_dispatch = None
-    wait_event_2 = fxoverlap_program_wait_event('ev_F0_l0_dispatch', 'comp');  wait_event_2 = None
-    F0_l0_experts = self.fwd_l0_experts(0, stream = 'comp');  F0_l0_experts = None
-    record_event_3 = fxoverlap_program_record_event('ev_F0_l0_experts', 'comp');  record_event_3 = None
-    wait_event_3 = fxoverlap_program_wait_event('ev_F0_l0_experts', 'comm');  wait_event_3 = None
-    F0_l0_combine = self.fwd_l0_combine(0, stream = 'comm');  F0_l0_combine = None
-    record_event_4 = fxoverlap_program_record_event('ev_F0_l0_combine', 'comm');  record_event_4 = None
-    free_F0_l0_combine = fxoverlap_program_free(0, 'grouped_mm_2');  free_F0_l0_combine = None
-    wait_event_4 = fxoverlap_program_wait_event('ev_F0_l0_combine', 'comp');  wait_event_4 = None
-    F0_l0_post = self.fwd_l0_post(0, stream = 'comp');  F0_l0_post = None
-    free_F0_l0_post = fxoverlap_program_free(0, 'combine');  free_F0_l0_post = None
-    F0_l1_attn = self.fwd_l1_attn(0, stream = 'comp');  F0_l1_attn = None
-    record_event_5 = fxoverlap_program_record_event('ev_F0_l1_attn', 'comp');  record_event_5 = None
-    wait_event_5 = fxoverlap_program_wait_event('ev_F0_l1_attn', 'comm');  wait_event_5 = None
-    F0_l1_dispatch = self.fwd_l1_dispatch(0, stream = 'comm');  F0_l1_dispatch = None
-    record_event_6 = fxoverlap_program_record_event('ev_F0_l1_dispatch', 'comm');  record_event_6 = None
-    free_F0_l1_dispatch = fxoverlap_program_free(0, 'index_select_1');  free_F0_l1_dispatch = None
-    wait_event_6 = fxoverlap_program_wait_event('ev_F0_l1_dispatch', 'comp');  wait_event_6 = None
-    F0_l1_experts = self.fwd_l1_experts(0, stream = 'comp');  F0_l1_experts = None
-    record_event_7 = fxoverlap_program_record_event('ev_F0_l1_experts', 'comp');  record_event_7 = None
-    wait_event_7 = fxoverlap_program_wait_event('ev_F0_l1_experts', 'comm');  wait_event_7 = None
-    F0_l1_combine = self.fwd_l1_combine(0, stream = 'comm');  F0_l1_combine = None
-    record_event_8 = fxoverlap_program_record_event('ev_F0_l1_combine', 'comm');  record_event_8 = None
-    free_F0_l1_combine = fxoverlap_program_free(0, 'grouped_mm_5');  free_F0_l1_combine = None
-    wait_event_8 = fxoverlap_program_wait_event('ev_F0_l1_combine', 'comp');  wait_event_8 = None
-    F0_l1_post = self.fwd_l1_post(0, stream = 'comp');  F0_l1_post = None
-    free_F0_l1_post = fxoverlap_program_free(0, 'combine_1');  free_F0_l1_post = None
-    F0_model_head = self.fwd_model_head(0, stream = 'comp');  F0_model_head = None
-    free_F0_model_head = fxoverlap_program_free(0, 'primals_29', 'getitem_24');  free_F0_model_head = None
-    B0_model_head = self.bwd_model_head(0, stream = 'comp');  B0_model_head = None
-    free_B0_model_head = fxoverlap_program_free(0, 'add_47', 'rsqrt_4', 'detach_8', 'mul_52', 't_10', 'view_22', 'view_24', '_log_softmax', 'detach_9', 'tangents_1', 'getitem_25', 't_14', 'view_28');  free_B0_model_head = None
-    B0_l1_post = self.bwd_l1_post(0, stream = 'comp');  B0_l1_post = None
-    record_event_9 = fxoverlap_program_record_event('ev_B0_l1_post', 'comp');  record_event_9 = None
-    free_B0_l1_post = fxoverlap_program_free(0, 'getitem_21', 'unsqueeze_3', 'view_20');  free_B0_l1_post = None
-    F1_model_embed = self.fwd_model_embed(1, stream = 'comp');  F1_model_embed = None
-    F1_l0_attn = self.fwd_l0_attn(1, stream = 'comp');  F1_l0_attn = None
-    record_event_11 = fxoverlap_program_record_event('ev_F1_l0_attn', 'comp');  record_event_11 = None
-    wait_event_9 = fxoverlap_program_wait_event('ev_B0_l1_post', 'comm');  wait_event_9 = None
-    B0_l1_combine = self.bwd_l1_combine(0, stream = 'comm');  B0_l1_combine = None
-    record_event_10 = fxoverlap_program_record_event('ev_B0_l1_combine', 'comm');  record_event_10 = None
-    free_B0_l1_combine = fxoverlap_program_free(0, 'sym_size_int_1', 'expand_2');  free_B0_l1_combine = None
-    wait_event_10 = fxoverlap_program_wait_event('ev_B0_l1_combine', 'comp');  wait_event_10 = None
-    B0_l1_experts = self.bwd_l1_experts(0, stream = 'comp');  B0_l1_experts = None
-    record_event_13 = fxoverlap_program_record_event('ev_B0_l1_experts', 'comp');  record_event_13 = None
-    free_B0_l1_experts = fxoverlap_program_free(0, 'getitem_22', '_to_copy_3', 'grouped_mm_3', 'silu_1', 'grouped_mm_4', 'mul_46', 'getitem_26', 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2');  free_B0_l1_experts = None
-    wait_event_11 = fxoverlap_program_wait_event('ev_F1_l0_attn', 'comm');  wait_event_11 = None
-    F1_l0_dispatch = self.fwd_l0_dispatch(1, stream = 'comm');  F1_l0_dispatch = None
-    record_event_12 = fxoverlap_program_record_event('ev_F1_l0_dispatch', 'comm');  record_event_12 = None
-    free_F1_l0_dispatch = fxoverlap_program_free(1, 'index_select');  free_F1_l0_dispatch = None
-    wait_event_12 = fxoverlap_program_wait_event('ev_F1_l0_dispatch', 'comp');  wait_event_12 = None
-    F1_l0_experts = self.fwd_l0_experts(1, stream = 'comp');  F1_l0_experts = None
-    record_event_15 = fxoverlap_program_record_event('ev_F1_l0_experts', 'comp');  record_event_15 = None
-    wait_event_13 = fxoverlap_program_wait_event('ev_B0_l1_experts', 'comm');  wait_event_13 = None
-    B0_l1_dispatch = self.bwd_l1_dispatch(0, stream = 'comm');  B0_l1_dispatch = None
-    record_event_14 = fxoverlap_program_record_event('ev_B0_l1_dispatch', 'comm');  record_event_14 = None
-    free_B0_l1_dispatch = fxoverlap_program_free(0, 'sum_4', 'getitem_23', 'add_50');  free_B0_l1_dispatch = None
-    wait_event_14 = fxoverlap_program_wait_event('ev_B0_l1_dispatch', 'comp');  wait_event_14 = None
-    B0_l1_attn = self.bwd_l1_attn(0, stream = 'comp');  B0_l1_attn = None
-    free_B0_l1_attn = fxoverlap_program_free(0, 'add_23', 'rsqrt_2', 'detach_4', 'mul_26', 't_5', 'view_11', 't_6', 'view_13', 't_7', 'view_15', 'transpose_6', 'slice_5', 'slice_6', 'cat_2', 'slice_7', 'slice_8', 'cat_3', 'getitem_17', 'detach_5', 't_8', 'view_17', 'add_27', 'rsqrt_3', 'detach_6', 'mul_36', 'view_18', 't_9', 'detach_7', 'getitem_19', 'floor_divide_1', 'add_49', 'sum_9', 'combine_2', 't_18', 'view_32', 't_22', 't_26', 't_30', 't_34', 'view_43');  free_B0_l1_attn = None
-    wait_event_15 = fxoverlap_program_wait_event('ev_F1_l0_experts', 'comm');  wait_event_15 = None
-    F1_l0_combine = self.fwd_l0_combine(1, stream = 'comm');  F1_l0_combine = None
-    record_event_16 = fxoverlap_program_record_event('ev_F1_l0_combine', 'comm');  record_event_16 = None
-    free_F1_l0_combine = fxoverlap_program_free(1, 'grouped_mm_2');  free_F1_l0_combine = None
-    B0_l0_post = self.bwd_l0_post(0, stream = 'comp');  B0_l0_post = None
-    record_event_17 = fxoverlap_program_record_event('ev_B0_l0_post', 'comp');  record_event_17 = None
-    free_B0_l0_post = fxoverlap_program_free(0, 'getitem_9', 'unsqueeze_1', 'view_9');  free_B0_l0_post = None
-    wait_event_16 = fxoverlap_program_wait_event('ev_F1_l0_combine', 'comp');  wait_event_16 = None
-    F1_l0_post = self.fwd_l0_post(1, stream = 'comp');  F1_l0_post = None
-    free_F1_l0_post = fxoverlap_program_free(1, 'combine');  free_F1_l0_post = None
-    F1_l1_attn = self.fwd_l1_attn(1, stream = 'comp');  F1_l1_attn = None
-    record_event_19 = fxoverlap_program_record_event('ev_F1_l1_attn', 'comp');  record_event_19 = None
-    wait_event_17 = fxoverlap_program_wait_event('ev_B0_l0_post', 'comm');  wait_event_17 = None
-    B0_l0_combine = self.bwd_l0_combine(0, stream = 'comm');  B0_l0_combine = None
-    record_event_18 = fxoverlap_program_record_event('ev_B0_l0_combine', 'comm');  record_event_18 = None
-    free_B0_l0_combine = fxoverlap_program_free(0, 'sym_size_int', 'expand_6');  free_B0_l0_combine = None
-    wait_event_18 = fxoverlap_program_wait_event('ev_B0_l0_combine', 'comp');  wait_event_18 = None
-    B0_l0_experts = self.bwd_l0_experts(0, stream = 'comp');  B0_l0_experts = None
-    record_event_21 = fxoverlap_program_record_event('ev_B0_l0_experts', 'comp');  record_event_21 = None
-    free_B0_l0_experts = fxoverlap_program_free(0, 'getitem_10', '_to_copy_1', 'grouped_mm', 'silu', 'grouped_mm_1', 'mul_20', 'getitem_31', 'grouped_mm_wgrad_3', 'grouped_mm_wgrad_4', 'grouped_mm_wgrad_5');  free_B0_l0_experts = None
-    wait_event_19 = fxoverlap_program_wait_event('ev_F1_l1_attn', 'comm');  wait_event_19 = None
-    F1_l1_dispatch = self.fwd_l1_dispatch(1, stream = 'comm');  F1_l1_dispatch = None
-    record_event_20 = fxoverlap_program_record_event('ev_F1_l1_dispatch', 'comm');  record_event_20 = None
-    free_F1_l1_dispatch = fxoverlap_program_free(1, 'index_select_1');  free_F1_l1_dispatch = None
-    wait_event_20 = fxoverlap_program_wait_event('ev_F1_l1_dispatch', 'comp');  wait_event_20 = None
-    F1_l1_experts = self.fwd_l1_experts(1, stream = 'comp');  F1_l1_experts = None
-    record_event_23 = fxoverlap_program_record_event('ev_F1_l1_experts', 'comp');  record_event_23 = None
-    wait_event_21 = fxoverlap_program_wait_event('ev_B0_l0_experts', 'comm');  wait_event_21 = None
-    B0_l0_dispatch = self.bwd_l0_dispatch(0, stream = 'comm');  B0_l0_dispatch = None
-    record_event_22 = fxoverlap_program_record_event('ev_B0_l0_dispatch', 'comm');  record_event_22 = None
-    free_B0_l0_dispatch = fxoverlap_program_free(0, 'sum_1', 'getitem_11', 'add_62');  free_B0_l0_dispatch = None
-    wait_event_22 = fxoverlap_program_wait_event('ev_B0_l0_dispatch', 'comp');  wait_event_22 = None
-    B0_l0_attn = self.bwd_l0_attn(0, stream = 'comp');  B0_l0_attn = None
-    free_B0_l0_attn = fxoverlap_program_free(0, 'embedding', 'rsqrt', 'detach', 'mul', 't', 'view', 't_1', 'view_2', 't_2', 'view_4', 'transpose_2', 'slice_1', 'slice_2', 'cat', 'slice_3', 'slice_4', 'cat_1', 'getitem_5', 'detach_1', 't_3', 'view_6', 'add_3', 'rsqrt_1', 'detach_2', 'mul_10', 'view_7', 't_4', 'detach_3', 'getitem_7', 'floor_divide', 'add_61', 'sum_14', 'combine_3', 't_38', 'view_47', 't_42', 't_46', 't_50', 't_54', 'view_58');  free_B0_l0_attn = None
-    wait_event_23 = fxoverlap_program_wait_event('ev_F1_l1_experts', 'comm');  wait_event_23 = None
-    F1_l1_combine = self.fwd_l1_combine(1, stream = 'comm');  F1_l1_combine = None
-    record_event_24 = fxoverlap_program_record_event('ev_F1_l1_combine', 'comm');  record_event_24 = None
-    free_F1_l1_combine = fxoverlap_program_free(1, 'grouped_mm_5');  free_F1_l1_combine = None
-    wait_event_24 = fxoverlap_program_wait_event('ev_F1_l1_combine', 'comp');  wait_event_24 = None
-    F1_l1_post = self.fwd_l1_post(1, stream = 'comp');  F1_l1_post = None
-    free_F1_l1_post = fxoverlap_program_free(1, 'combine_1');  free_F1_l1_post = None
-    F1_model_head = self.fwd_model_head(1, stream = 'comp');  F1_model_head = None
-    free_F1_model_head = fxoverlap_program_free(1, 'primals_29', 'getitem_24');  free_F1_model_head = None
-    B0_model_embed = self.bwd_model_embed(0, stream = 'comp');  B0_model_embed = None
-    free_B0_model_embed = fxoverlap_program_free(0, 'primals_28', 'add_73', 'embedding_dense_backward');  free_B0_model_embed = None
-    B1_model_head = self.bwd_model_head(1, stream = 'comp');  B1_model_head = None
-    free_B1_model_head = fxoverlap_program_free(1, 'add_47', 'rsqrt_4', 'detach_8', 'mul_52', 't_10', 'view_22', 'view_24', '_log_softmax', 'detach_9', 'tangents_1', 'getitem_25', 't_14', 'view_28');  free_B1_model_head = None
-    B1_l1_post = self.bwd_l1_post(1, stream = 'comp');  B1_l1_post = None
-    record_event_25 = fxoverlap_program_record_event('ev_B1_l1_post', 'comp');  record_event_25 = None
-    free_B1_l1_post = fxoverlap_program_free(1, 'getitem_21', 'unsqueeze_3', 'view_20');  free_B1_l1_post = None
-    wait_event_25 = fxoverlap_program_wait_event('ev_B1_l1_post', 'comm');  wait_event_25 = None
-    B1_l1_combine = self.bwd_l1_combine(1, stream = 'comm');  B1_l1_combine = None
-    record_event_26 = fxoverlap_program_record_event('ev_B1_l1_combine', 'comm');  record_event_26 = None
-    free_B1_l1_combine = fxoverlap_program_free(1, 'sym_size_int_1', 'expand_2');  free_B1_l1_combine = None
-    wait_event_26 = fxoverlap_program_wait_event('ev_B1_l1_combine', 'comp');  wait_event_26 = None
-    B1_l1_experts = self.bwd_l1_experts(1, stream = 'comp');  B1_l1_experts = None
-    record_event_27 = fxoverlap_program_record_event('ev_B1_l1_experts', 'comp');  record_event_27 = None
-    free_B1_l1_experts = fxoverlap_program_free(1, 'getitem_22', '_to_copy_3', 'grouped_mm_3', 'silu_1', 'grouped_mm_4', 'mul_46', 'getitem_26', 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2');  free_B1_l1_experts = None
-    wait_event_27 = fxoverlap_program_wait_event('ev_B1_l1_experts', 'comm');  wait_event_27 = None
-    B1_l1_dispatch = self.bwd_l1_dispatch(1, stream = 'comm');  B1_l1_dispatch = None
-    record_event_28 = fxoverlap_program_record_event('ev_B1_l1_dispatch', 'comm');  record_event_28 = None
-    free_B1_l1_dispatch = fxoverlap_program_free(1, 'sum_4', 'getitem_23', 'add_50');  free_B1_l1_dispatch = None
-    wait_event_28 = fxoverlap_program_wait_event('ev_B1_l1_dispatch', 'comp');  wait_event_28 = None
-    B1_l1_attn = self.bwd_l1_attn(1, stream = 'comp');  B1_l1_attn = None
-    free_B1_l1_attn = fxoverlap_program_free(1, 'add_23', 'rsqrt_2', 'detach_4', 'mul_26', 't_5', 'view_11', 't_6', 'view_13', 't_7', 'view_15', 'transpose_6', 'slice_5', 'slice_6', 'cat_2', 'slice_7', 'slice_8', 'cat_3', 'getitem_17', 'detach_5', 't_8', 'view_17', 'add_27', 'rsqrt_3', 'detach_6', 'mul_36', 'view_18', 't_9', 'detach_7', 'getitem_19', 'floor_divide_1', 'add_49', 'sum_9', 'combine_2', 't_18', 'view_32', 't_22', 't_26', 't_30', 't_34', 'view_43');  free_B1_l1_attn = None
-    B1_l0_post = self.bwd_l0_post(1, stream = 'comp');  B1_l0_post = None
-    record_event_29 = fxoverlap_program_record_event('ev_B1_l0_post', 'comp');  record_event_29 = None
-    free_B1_l0_post = fxoverlap_program_free(1, 'getitem_9', 'unsqueeze_1', 'view_9');  free_B1_l0_post = None
-    wait_event_29 = fxoverlap_program_wait_event('ev_B1_l0_post', 'comm');  wait_event_29 = None
-    B1_l0_combine = self.bwd_l0_combine(1, stream = 'comm');  B1_l0_combine = None
-    record_event_30 = fxoverlap_program_record_event('ev_B1_l0_combine', 'comm');  record_event_30 = None
-    free_B1_l0_combine = fxoverlap_program_free(1, 'sym_size_int', 'expand_6');  free_B1_l0_combine = None
-    wait_event_30 = fxoverlap_program_wait_event('ev_B1_l0_combine', 'comp');  wait_event_30 = None
-    B1_l0_experts = self.bwd_l0_experts(1, stream = 'comp');  B1_l0_experts = None
-    record_event_31 = fxoverlap_program_record_event('ev_B1_l0_experts', 'comp');  record_event_31 = None
-    free_B1_l0_experts = fxoverlap_program_free(1, 'getitem_10', '_to_copy_1', 'grouped_mm', 'silu', 'grouped_mm_1', 'mul_20', 'getitem_31', 'grouped_mm_wgrad_3', 'grouped_mm_wgrad_4', 'grouped_mm_wgrad_5');  free_B1_l0_experts = None
-    wait_event_31 = fxoverlap_program_wait_event('ev_B1_l0_experts', 'comm');  wait_event_31 = None
-    B1_l0_dispatch = self.bwd_l0_dispatch(1, stream = 'comm');  B1_l0_dispatch = None
-    record_event_32 = fxoverlap_program_record_event('ev_B1_l0_dispatch', 'comm');  record_event_32 = None
-    free_B1_l0_dispatch = fxoverlap_program_free(1, 'sum_1', 'getitem_11', 'add_62');  free_B1_l0_dispatch = None
-    wait_event_32 = fxoverlap_program_wait_event('ev_B1_l0_dispatch', 'comp');  wait_event_32 = None
-    B1_l0_attn = self.bwd_l0_attn(1, stream = 'comp');  B1_l0_attn = None
-    free_B1_l0_attn = fxoverlap_program_free(1, 'embedding', 'rsqrt', 'detach', 'mul', 't', 'view', 't_1', 'view_2', 't_2', 'view_4', 'transpose_2', 'slice_1', 'slice_2', 'cat', 'slice_3', 'slice_4', 'cat_1', 'getitem_5', 'detach_1', 't_3', 'view_6', 'add_3', 'rsqrt_1', 'detach_2', 'mul_10', 'view_7', 't_4', 'detach_3', 'getitem_7', 'floor_divide', 'add_61', 'sum_14', 'combine_3', 't_38', 'view_47', 't_42', 't_46', 't_50', 't_54', 'view_58');  free_B1_l0_attn = None
-    B1_model_embed = self.bwd_model_embed(1, stream = 'comp');  B1_model_embed = None
-    free_B1_model_embed = fxoverlap_program_free(1, 'primals_28', 'add_73', 'embedding_dense_backward');  free_B1_model_embed = None
-    record_event_33 = fxoverlap_program_record_event('end', 'comm');  record_event_33 = None
-    wait_event_33 = fxoverlap_program_wait_event('end', 'comp');  wait_event_33 = None
-    return None""")
+record_event = fxoverlap_program_record_event('start', 'comp')
+F0_model_embed = self.fwd_model_embed(0)
+F0_l0_attn = self.fwd_l0_attn(0)
+record_event_1 = fxoverlap_program_record_event('ev_F0_l0_attn', 'comp')
+wait_event = fxoverlap_program_wait_event('start', 'comm')
+wait_event_1 = fxoverlap_program_wait_event('ev_F0_l0_attn', 'comm')
+F0_l0_dispatch = self.fwd_l0_dispatch(0)
+record_event_2 = fxoverlap_program_record_event('ev_F0_l0_dispatch', 'comm')
+free_F0_l0_dispatch = fxoverlap_program_free(0, 'index_select')
+F0_l0_attn_side = self.fwd_l0_attn_side(0)
+free_F0_l0_attn_side = fxoverlap_program_free(0, <4 values>)
+wait_event_2 = fxoverlap_program_wait_event('ev_F0_l0_dispatch', 'comp')
+F0_l0_experts = self.fwd_l0_experts(0)
+record_event_3 = fxoverlap_program_record_event('ev_F0_l0_experts', 'comp')
+wait_event_3 = fxoverlap_program_wait_event('ev_F0_l0_experts', 'comm')
+F0_l0_combine = self.fwd_l0_combine(0)
+record_event_4 = fxoverlap_program_record_event('ev_F0_l0_combine', 'comm')
+free_F0_l0_combine = fxoverlap_program_free(0, 'grouped_mm_2')
+wait_event_4 = fxoverlap_program_wait_event('ev_F0_l0_combine', 'comp')
+F0_l0_post = self.fwd_l0_post(0)
+free_F0_l0_post = fxoverlap_program_free(0, 'combine')
+F0_l1_attn = self.fwd_l1_attn(0)
+record_event_5 = fxoverlap_program_record_event('ev_F0_l1_attn', 'comp')
+wait_event_5 = fxoverlap_program_wait_event('ev_F0_l1_attn', 'comm')
+F0_l1_dispatch = self.fwd_l1_dispatch(0)
+record_event_6 = fxoverlap_program_record_event('ev_F0_l1_dispatch', 'comm')
+free_F0_l1_dispatch = fxoverlap_program_free(0, 'index_select_1')
+F0_l1_attn_side = self.fwd_l1_attn_side(0)
+free_F0_l1_attn_side = fxoverlap_program_free(0, <4 values>)
+wait_event_6 = fxoverlap_program_wait_event('ev_F0_l1_dispatch', 'comp')
+F0_l1_experts = self.fwd_l1_experts(0)
+record_event_7 = fxoverlap_program_record_event('ev_F0_l1_experts', 'comp')
+wait_event_7 = fxoverlap_program_wait_event('ev_F0_l1_experts', 'comm')
+F0_l1_combine = self.fwd_l1_combine(0)
+record_event_8 = fxoverlap_program_record_event('ev_F0_l1_combine', 'comm')
+free_F0_l1_combine = fxoverlap_program_free(0, 'grouped_mm_5')
+wait_event_8 = fxoverlap_program_wait_event('ev_F0_l1_combine', 'comp')
+F0_l1_post = self.fwd_l1_post(0)
+free_F0_l1_post = fxoverlap_program_free(0, 'combine_1')
+F0_model_head = self.fwd_model_head(0)
+free_F0_model_head = fxoverlap_program_free(0, 'primals_29')
+output_F0_model_head = fxoverlap_program_output(0, 'getitem_24')
+free_output_F0_model_head = fxoverlap_program_free(0, 'getitem_24')
+B0_model_head = self.bwd_model_head(0)
+free_B0_model_head = fxoverlap_program_free(0, <11 values>)
+accumulate_B0_model_head = fxoverlap_program_accumulate(0, 't_14', 'view_28')
+free_accumulate_B0_model_head = fxoverlap_program_free(0, 't_14', 'view_28')
+B0_l1_post = self.bwd_l1_post(0)
+record_event_9 = fxoverlap_program_record_event('ev_B0_l1_post', 'comp')
+free_B0_l1_post = fxoverlap_program_free(0, 'getitem_21', 'unsqueeze_3', 'view_20')
+F1_model_embed = self.fwd_model_embed(1)
+F1_l0_attn = self.fwd_l0_attn(1)
+record_event_11 = fxoverlap_program_record_event('ev_F1_l0_attn', 'comp')
+wait_event_9 = fxoverlap_program_wait_event('ev_B0_l1_post', 'comm')
+B0_l1_combine = self.bwd_l1_combine(0)
+record_event_10 = fxoverlap_program_record_event('ev_B0_l1_combine', 'comm')
+free_B0_l1_combine = fxoverlap_program_free(0, 'sym_size_int_1', 'expand_2')
+B0_l1_attn_early = self.bwd_l1_attn_early(0)
+free_B0_l1_attn_early = fxoverlap_program_free(0, <12 values>)
+accumulate_B0_l1_attn_early = fxoverlap_program_accumulate(0, 't_18')
+free_accumulate_B0_l1_attn_early = fxoverlap_program_free(0, 't_18')
+wait_event_10 = fxoverlap_program_wait_event('ev_B0_l1_combine', 'comp')
+B0_l1_experts = self.bwd_l1_experts(0)
+record_event_13 = fxoverlap_program_record_event('ev_B0_l1_experts', 'comp')
+free_B0_l1_experts = fxoverlap_program_free(0, <7 values>)
+accumulate_B0_l1_experts = fxoverlap_program_accumulate(0, 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2')
+free_accumulate_B0_l1_experts = fxoverlap_program_free(0, 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2')
+wait_event_11 = fxoverlap_program_wait_event('ev_F1_l0_attn', 'comm')
+F1_l0_dispatch = self.fwd_l0_dispatch(1)
+record_event_12 = fxoverlap_program_record_event('ev_F1_l0_dispatch', 'comm')
+free_F1_l0_dispatch = fxoverlap_program_free(1, 'index_select')
+F1_l0_attn_side = self.fwd_l0_attn_side(1)
+free_F1_l0_attn_side = fxoverlap_program_free(1, <4 values>)
+wait_event_12 = fxoverlap_program_wait_event('ev_F1_l0_dispatch', 'comp')
+F1_l0_experts = self.fwd_l0_experts(1)
+record_event_15 = fxoverlap_program_record_event('ev_F1_l0_experts', 'comp')
+wait_event_13 = fxoverlap_program_wait_event('ev_B0_l1_experts', 'comm')
+B0_l1_dispatch = self.bwd_l1_dispatch(0)
+record_event_14 = fxoverlap_program_record_event('ev_B0_l1_dispatch', 'comm')
+free_B0_l1_dispatch = fxoverlap_program_free(0, 'sum_4', 'getitem_23', 'add_50')
+wait_event_14 = fxoverlap_program_wait_event('ev_B0_l1_dispatch', 'comp')
+B0_l1_attn = self.bwd_l1_attn(0)
+free_B0_l1_attn = fxoverlap_program_free(0, <31 values>)
+accumulate_B0_l1_attn = fxoverlap_program_accumulate(0, <6 values>)
+free_accumulate_B0_l1_attn = fxoverlap_program_free(0, <6 values>)
+wait_event_15 = fxoverlap_program_wait_event('ev_F1_l0_experts', 'comm')
+F1_l0_combine = self.fwd_l0_combine(1)
+record_event_16 = fxoverlap_program_record_event('ev_F1_l0_combine', 'comm')
+free_F1_l0_combine = fxoverlap_program_free(1, 'grouped_mm_2')
+B0_l0_post = self.bwd_l0_post(0)
+record_event_17 = fxoverlap_program_record_event('ev_B0_l0_post', 'comp')
+free_B0_l0_post = fxoverlap_program_free(0, 'getitem_9', 'unsqueeze_1', 'view_9')
+wait_event_16 = fxoverlap_program_wait_event('ev_F1_l0_combine', 'comp')
+F1_l0_post = self.fwd_l0_post(1)
+free_F1_l0_post = fxoverlap_program_free(1, 'combine')
+F1_l1_attn = self.fwd_l1_attn(1)
+record_event_19 = fxoverlap_program_record_event('ev_F1_l1_attn', 'comp')
+wait_event_17 = fxoverlap_program_wait_event('ev_B0_l0_post', 'comm')
+B0_l0_combine = self.bwd_l0_combine(0)
+record_event_18 = fxoverlap_program_record_event('ev_B0_l0_combine', 'comm')
+free_B0_l0_combine = fxoverlap_program_free(0, 'sym_size_int', 'expand_6')
+B0_l0_attn_early = self.bwd_l0_attn_early(0)
+free_B0_l0_attn_early = fxoverlap_program_free(0, <12 values>)
+accumulate_B0_l0_attn_early = fxoverlap_program_accumulate(0, 't_38')
+free_accumulate_B0_l0_attn_early = fxoverlap_program_free(0, 't_38')
+wait_event_18 = fxoverlap_program_wait_event('ev_B0_l0_combine', 'comp')
+B0_l0_experts = self.bwd_l0_experts(0)
+record_event_21 = fxoverlap_program_record_event('ev_B0_l0_experts', 'comp')
+free_B0_l0_experts = fxoverlap_program_free(0, <7 values>)
+accumulate_B0_l0_experts = fxoverlap_program_accumulate(0, 'grouped_mm_wgrad_3', 'grouped_mm_wgrad_4', 'grouped_mm_wgrad_5')
+free_accumulate_B0_l0_experts = fxoverlap_program_free(0, 'grouped_mm_wgrad_3', 'grouped_mm_wgrad_4', 'grouped_mm_wgrad_5')
+wait_event_19 = fxoverlap_program_wait_event('ev_F1_l1_attn', 'comm')
+F1_l1_dispatch = self.fwd_l1_dispatch(1)
+record_event_20 = fxoverlap_program_record_event('ev_F1_l1_dispatch', 'comm')
+free_F1_l1_dispatch = fxoverlap_program_free(1, 'index_select_1')
+F1_l1_attn_side = self.fwd_l1_attn_side(1)
+free_F1_l1_attn_side = fxoverlap_program_free(1, <4 values>)
+wait_event_20 = fxoverlap_program_wait_event('ev_F1_l1_dispatch', 'comp')
+F1_l1_experts = self.fwd_l1_experts(1)
+record_event_23 = fxoverlap_program_record_event('ev_F1_l1_experts', 'comp')
+wait_event_21 = fxoverlap_program_wait_event('ev_B0_l0_experts', 'comm')
+B0_l0_dispatch = self.bwd_l0_dispatch(0)
+record_event_22 = fxoverlap_program_record_event('ev_B0_l0_dispatch', 'comm')
+free_B0_l0_dispatch = fxoverlap_program_free(0, 'sum_1', 'getitem_11', 'add_62')
+wait_event_22 = fxoverlap_program_wait_event('ev_B0_l0_dispatch', 'comp')
+B0_l0_attn = self.bwd_l0_attn(0)
+free_B0_l0_attn = fxoverlap_program_free(0, <31 values>)
+accumulate_B0_l0_attn = fxoverlap_program_accumulate(0, <6 values>)
+free_accumulate_B0_l0_attn = fxoverlap_program_free(0, <6 values>)
+wait_event_23 = fxoverlap_program_wait_event('ev_F1_l1_experts', 'comm')
+F1_l1_combine = self.fwd_l1_combine(1)
+record_event_24 = fxoverlap_program_record_event('ev_F1_l1_combine', 'comm')
+free_F1_l1_combine = fxoverlap_program_free(1, 'grouped_mm_5')
+wait_event_24 = fxoverlap_program_wait_event('ev_F1_l1_combine', 'comp')
+F1_l1_post = self.fwd_l1_post(1)
+free_F1_l1_post = fxoverlap_program_free(1, 'combine_1')
+F1_model_head = self.fwd_model_head(1)
+free_F1_model_head = fxoverlap_program_free(1, 'primals_29')
+output_F1_model_head = fxoverlap_program_output(1, 'getitem_24')
+free_output_F1_model_head = fxoverlap_program_free(1, 'getitem_24')
+B0_model_embed = self.bwd_model_embed(0)
+free_B0_model_embed = fxoverlap_program_free(0, 'primals_28', 'add_73')
+accumulate_B0_model_embed = fxoverlap_program_accumulate(0, 'embedding_dense_backward')
+free_accumulate_B0_model_embed = fxoverlap_program_free(0, 'embedding_dense_backward')
+B1_model_head = self.bwd_model_head(1)
+free_B1_model_head = fxoverlap_program_free(1, <11 values>)
+accumulate_B1_model_head = fxoverlap_program_accumulate(1, 't_14', 'view_28')
+free_accumulate_B1_model_head = fxoverlap_program_free(1, 't_14', 'view_28')
+B1_l1_post = self.bwd_l1_post(1)
+record_event_25 = fxoverlap_program_record_event('ev_B1_l1_post', 'comp')
+free_B1_l1_post = fxoverlap_program_free(1, 'getitem_21', 'unsqueeze_3', 'view_20')
+wait_event_25 = fxoverlap_program_wait_event('ev_B1_l1_post', 'comm')
+B1_l1_combine = self.bwd_l1_combine(1)
+record_event_26 = fxoverlap_program_record_event('ev_B1_l1_combine', 'comm')
+free_B1_l1_combine = fxoverlap_program_free(1, 'sym_size_int_1', 'expand_2')
+B1_l1_attn_early = self.bwd_l1_attn_early(1)
+free_B1_l1_attn_early = fxoverlap_program_free(1, <12 values>)
+accumulate_B1_l1_attn_early = fxoverlap_program_accumulate(1, 't_18')
+free_accumulate_B1_l1_attn_early = fxoverlap_program_free(1, 't_18')
+wait_event_26 = fxoverlap_program_wait_event('ev_B1_l1_combine', 'comp')
+B1_l1_experts = self.bwd_l1_experts(1)
+record_event_27 = fxoverlap_program_record_event('ev_B1_l1_experts', 'comp')
+free_B1_l1_experts = fxoverlap_program_free(1, <7 values>)
+accumulate_B1_l1_experts = fxoverlap_program_accumulate(1, 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2')
+free_accumulate_B1_l1_experts = fxoverlap_program_free(1, 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2')
+wait_event_27 = fxoverlap_program_wait_event('ev_B1_l1_experts', 'comm')
+B1_l1_dispatch = self.bwd_l1_dispatch(1)
+record_event_28 = fxoverlap_program_record_event('ev_B1_l1_dispatch', 'comm')
+free_B1_l1_dispatch = fxoverlap_program_free(1, 'sum_4', 'getitem_23', 'add_50')
+wait_event_28 = fxoverlap_program_wait_event('ev_B1_l1_dispatch', 'comp')
+B1_l1_attn = self.bwd_l1_attn(1)
+free_B1_l1_attn = fxoverlap_program_free(1, <31 values>)
+accumulate_B1_l1_attn = fxoverlap_program_accumulate(1, <6 values>)
+free_accumulate_B1_l1_attn = fxoverlap_program_free(1, <6 values>)
+B1_l0_post = self.bwd_l0_post(1)
+record_event_29 = fxoverlap_program_record_event('ev_B1_l0_post', 'comp')
+free_B1_l0_post = fxoverlap_program_free(1, 'getitem_9', 'unsqueeze_1', 'view_9')
+wait_event_29 = fxoverlap_program_wait_event('ev_B1_l0_post', 'comm')
+B1_l0_combine = self.bwd_l0_combine(1)
+record_event_30 = fxoverlap_program_record_event('ev_B1_l0_combine', 'comm')
+free_B1_l0_combine = fxoverlap_program_free(1, 'sym_size_int', 'expand_6')
+B1_l0_attn_early = self.bwd_l0_attn_early(1)
+free_B1_l0_attn_early = fxoverlap_program_free(1, <12 values>)
+accumulate_B1_l0_attn_early = fxoverlap_program_accumulate(1, 't_38')
+free_accumulate_B1_l0_attn_early = fxoverlap_program_free(1, 't_38')
+wait_event_30 = fxoverlap_program_wait_event('ev_B1_l0_combine', 'comp')
+B1_l0_experts = self.bwd_l0_experts(1)
+record_event_31 = fxoverlap_program_record_event('ev_B1_l0_experts', 'comp')
+free_B1_l0_experts = fxoverlap_program_free(1, <7 values>)
+accumulate_B1_l0_experts = fxoverlap_program_accumulate(1, 'grouped_mm_wgrad_3', 'grouped_mm_wgrad_4', 'grouped_mm_wgrad_5')
+free_accumulate_B1_l0_experts = fxoverlap_program_free(1, 'grouped_mm_wgrad_3', 'grouped_mm_wgrad_4', 'grouped_mm_wgrad_5')
+wait_event_31 = fxoverlap_program_wait_event('ev_B1_l0_experts', 'comm')
+B1_l0_dispatch = self.bwd_l0_dispatch(1)
+record_event_32 = fxoverlap_program_record_event('ev_B1_l0_dispatch', 'comm')
+free_B1_l0_dispatch = fxoverlap_program_free(1, 'sum_1', 'getitem_11', 'add_62')
+wait_event_32 = fxoverlap_program_wait_event('ev_B1_l0_dispatch', 'comp')
+B1_l0_attn = self.bwd_l0_attn(1)
+free_B1_l0_attn = fxoverlap_program_free(1, <31 values>)
+accumulate_B1_l0_attn = fxoverlap_program_accumulate(1, <6 values>)
+free_accumulate_B1_l0_attn = fxoverlap_program_free(1, <6 values>)
+B1_model_embed = self.bwd_model_embed(1)
+free_B1_model_embed = fxoverlap_program_free(1, 'primals_28', 'add_73')
+accumulate_B1_model_embed = fxoverlap_program_accumulate(1, 'embedding_dense_backward')
+free_accumulate_B1_model_embed = fxoverlap_program_free(1, 'embedding_dense_backward')
+record_event_33 = fxoverlap_program_record_event('end', 'comm')
+wait_event_33 = fxoverlap_program_wait_event('end', 'comp')""")
 
 
 if __name__ == "__main__":

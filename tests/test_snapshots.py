@@ -15,6 +15,7 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
+from fxoverlap.program_ops import stage_calls
 from fxoverlap.stage import StreamKind
 from snapshot_utils import render_program, render_tagged, requires_pinned_torch
 
@@ -321,25 +322,25 @@ class TestSnapshots(expecttest.TestCase):
     def test_stage_table(self):
         _, _, stages = _stages()
         self.assertExpectedInline(format_stage_table(stages), """\
-stage            layer  kind      dir  stream  ops  in  out  capturable
-fwd_model_embed  -1     embed     fwd  comp    1    2   1    yes
-fwd_l0_attn      0      attn      fwd  comp    101  13  41   yes
-fwd_l0_dispatch  0      dispatch  fwd  comm    3    2   2    no: communication stage
-fwd_l0_experts   0      experts   fwd  comp    9    5   7    no: data-dependent shape at node sym_size_int (aten.sym_size)
-fwd_l0_combine   0      combine   fwd  comm    1    3   1    no: communication stage
-fwd_l0_post      0      post      fwd  comp    8    5   2    yes
-fwd_l1_attn      1      attn      fwd  comp    68   9   25   yes
-fwd_l1_mlp       1      mlp       fwd  comp    15   5   10   yes
-fwd_model_head   2      head      fwd  comp    18   4   10   yes
-bwd_model_head   2      head      bwd  comp    29   12  3    yes
-bwd_l1_mlp       1      mlp       bwd  comp    28   10  4    yes
-bwd_l1_attn      1      attn      bwd  comp    105  29  7    yes
-bwd_l0_post      0      post      bwd  comp    9    4   3    yes
-bwd_l0_combine   0      combine   bwd  comm    2    4   1    no: communication stage
-bwd_l0_experts   0      experts   bwd  comp    13   10  4    no: data-dependent shape at node grouped_mm_3 (fxoverlap.grouped_mm)
-bwd_l0_dispatch  0      dispatch  bwd  comm    1    3   1    no: communication stage
-bwd_l0_attn      0      attn      bwd  comp    143  43  11   yes
-bwd_model_embed  -1     embed     bwd  comp    1    2   1    yes""")
+stage            layer  kind      dir  stream  ops  in  out  runs   capturable
+fwd_model_embed  -1     embed     fwd  comp    1    2   1    eager  yes
+fwd_l0_attn      0      attn      fwd  comp    101  13  41   eager  yes
+fwd_l0_dispatch  0      dispatch  fwd  comm    3    2   2    eager  no: communication stage (stays eager on the comm stream)
+fwd_l0_experts   0      experts   fwd  comp    9    5   7    eager  no: data-dependent shape at node sym_size_int (aten.sym_size)
+fwd_l0_combine   0      combine   fwd  comm    1    3   1    eager  no: communication stage (stays eager on the comm stream)
+fwd_l0_post      0      post      fwd  comp    8    5   2    eager  yes
+fwd_l1_attn      1      attn      fwd  comp    68   9   25   eager  yes
+fwd_l1_mlp       1      mlp       fwd  comp    15   5   10   eager  yes
+fwd_model_head   2      head      fwd  comp    18   4   10   eager  yes
+bwd_model_head   2      head      bwd  comp    29   12  3    eager  yes
+bwd_l1_mlp       1      mlp       bwd  comp    28   10  4    eager  yes
+bwd_l1_attn      1      attn      bwd  comp    105  29  7    eager  yes
+bwd_l0_post      0      post      bwd  comp    9    4   3    eager  yes
+bwd_l0_combine   0      combine   bwd  comm    2    4   1    eager  no: communication stage (stays eager on the comm stream)
+bwd_l0_experts   0      experts   bwd  comp    13   10  4    eager  no: data-dependent shape at node grouped_mm_3 (fxoverlap.grouped_mm)
+bwd_l0_dispatch  0      dispatch  bwd  comm    1    3   1    eager  no: communication stage (stays eager on the comm stream)
+bwd_l0_attn      0      attn      bwd  comp    143  43  11   eager  yes
+bwd_model_embed  -1     embed     bwd  comp    1    2   1    eager  yes""")
 
     def test_backward_stage_graph(self):
         _, _, stages = _stages()
@@ -362,8 +363,8 @@ def forward(self, primals_11, getitem_23, _to_copy_1, mul_20, silu, grouped_mm_1
     return (grouped_mm_wgrad, grouped_mm_wgrad_1, grouped_mm_wgrad_2, add_45)""")
 
     def test_program_2_layers_3_microbatches(self):
-        _, _, stages = _stages()
-        self.assertExpectedInline(render_program(schedule(stages, 3, 2)), """\
+        cap, _, stages = _stages()
+        self.assertExpectedInline(render_program(schedule(stages, cap, 3)), """\
 def forward(self):
 F0_model_embed = self.fwd_model_embed(0)
 F0_l0_attn = self.fwd_l0_attn(0)
@@ -374,126 +375,161 @@ F0_l0_post = self.fwd_l0_post(0)
 F0_l1_attn = self.fwd_l1_attn(0)
 F0_l1_mlp = self.fwd_l1_mlp(0)
 F0_model_head = self.fwd_model_head(0)
+output_F0_model_head = fxoverlap_program_output(0, 'getitem_18')
 B0_model_head = self.bwd_model_head(0)
+accumulate_B0_model_head = fxoverlap_program_accumulate(0, 't_19', 'view_27')
 F1_model_embed = self.fwd_model_embed(1)
 F1_l0_attn = self.fwd_l0_attn(1)
 B0_l1_mlp = self.bwd_l1_mlp(0)
+accumulate_B0_l1_mlp = fxoverlap_program_accumulate(0, 't_23', 't_27', 't_31')
 F1_l0_dispatch = self.fwd_l0_dispatch(1)
 F1_l0_experts = self.fwd_l0_experts(1)
 B0_l1_attn = self.bwd_l1_attn(0)
+accumulate_B0_l1_attn = fxoverlap_program_accumulate(0, <6 values>)
 F1_l0_combine = self.fwd_l0_combine(1)
 B0_l0_post = self.bwd_l0_post(0)
 F1_l0_post = self.fwd_l0_post(1)
 F1_l1_attn = self.fwd_l1_attn(1)
 B0_l0_combine = self.bwd_l0_combine(0)
 B0_l0_experts = self.bwd_l0_experts(0)
+accumulate_B0_l0_experts = fxoverlap_program_accumulate(0, 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2')
 F1_l1_mlp = self.fwd_l1_mlp(1)
 B0_l0_dispatch = self.bwd_l0_dispatch(0)
 B0_l0_attn = self.bwd_l0_attn(0)
+accumulate_B0_l0_attn = fxoverlap_program_accumulate(0, <10 values>)
 F1_model_head = self.fwd_model_head(1)
+output_F1_model_head = fxoverlap_program_output(1, 'getitem_18')
 B0_model_embed = self.bwd_model_embed(0)
+accumulate_B0_model_embed = fxoverlap_program_accumulate(0, 'embedding_dense_backward')
 B1_model_head = self.bwd_model_head(1)
+accumulate_B1_model_head = fxoverlap_program_accumulate(1, 't_19', 'view_27')
 F2_model_embed = self.fwd_model_embed(2)
 F2_l0_attn = self.fwd_l0_attn(2)
 B1_l1_mlp = self.bwd_l1_mlp(1)
+accumulate_B1_l1_mlp = fxoverlap_program_accumulate(1, 't_23', 't_27', 't_31')
 F2_l0_dispatch = self.fwd_l0_dispatch(2)
 F2_l0_experts = self.fwd_l0_experts(2)
 B1_l1_attn = self.bwd_l1_attn(1)
+accumulate_B1_l1_attn = fxoverlap_program_accumulate(1, <6 values>)
 F2_l0_combine = self.fwd_l0_combine(2)
 B1_l0_post = self.bwd_l0_post(1)
 F2_l0_post = self.fwd_l0_post(2)
 F2_l1_attn = self.fwd_l1_attn(2)
 B1_l0_combine = self.bwd_l0_combine(1)
 B1_l0_experts = self.bwd_l0_experts(1)
+accumulate_B1_l0_experts = fxoverlap_program_accumulate(1, 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2')
 F2_l1_mlp = self.fwd_l1_mlp(2)
 B1_l0_dispatch = self.bwd_l0_dispatch(1)
 B1_l0_attn = self.bwd_l0_attn(1)
+accumulate_B1_l0_attn = fxoverlap_program_accumulate(1, <10 values>)
 F2_model_head = self.fwd_model_head(2)
+output_F2_model_head = fxoverlap_program_output(2, 'getitem_18')
 B1_model_embed = self.bwd_model_embed(1)
+accumulate_B1_model_embed = fxoverlap_program_accumulate(1, 'embedding_dense_backward')
 B2_model_head = self.bwd_model_head(2)
+accumulate_B2_model_head = fxoverlap_program_accumulate(2, 't_19', 'view_27')
 B2_l1_mlp = self.bwd_l1_mlp(2)
+accumulate_B2_l1_mlp = fxoverlap_program_accumulate(2, 't_23', 't_27', 't_31')
 B2_l1_attn = self.bwd_l1_attn(2)
+accumulate_B2_l1_attn = fxoverlap_program_accumulate(2, <6 values>)
 B2_l0_post = self.bwd_l0_post(2)
 B2_l0_combine = self.bwd_l0_combine(2)
 B2_l0_experts = self.bwd_l0_experts(2)
+accumulate_B2_l0_experts = fxoverlap_program_accumulate(2, 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2')
 B2_l0_dispatch = self.bwd_l0_dispatch(2)
 B2_l0_attn = self.bwd_l0_attn(2)
-B2_model_embed = self.bwd_model_embed(2)""")
+accumulate_B2_l0_attn = fxoverlap_program_accumulate(2, <10 values>)
+B2_model_embed = self.bwd_model_embed(2)
+accumulate_B2_model_embed = fxoverlap_program_accumulate(2, 'embedding_dense_backward')""")
 
     def test_streams_pass(self):
-        _, _, stages = _stages()
-        self.assertExpectedInline(render_program(streams(schedule(stages, 2, 2), stages)), """\
+        cap, _, stages = _stages()
+        self.assertExpectedInline(render_program(streams(schedule(stages, cap, 2))), """\
 def forward(self):
 record_event = fxoverlap_program_record_event('start', 'comp')
-F0_model_embed = self.fwd_model_embed(0, stream = 'comp')
-F0_l0_attn = self.fwd_l0_attn(0, stream = 'comp')
+F0_model_embed = self.fwd_model_embed(0)
+F0_l0_attn = self.fwd_l0_attn(0)
 record_event_1 = fxoverlap_program_record_event('ev_F0_l0_attn', 'comp')
 wait_event = fxoverlap_program_wait_event('start', 'comm')
 wait_event_1 = fxoverlap_program_wait_event('ev_F0_l0_attn', 'comm')
-F0_l0_dispatch = self.fwd_l0_dispatch(0, stream = 'comm')
+F0_l0_dispatch = self.fwd_l0_dispatch(0)
 record_event_2 = fxoverlap_program_record_event('ev_F0_l0_dispatch', 'comm')
 wait_event_2 = fxoverlap_program_wait_event('ev_F0_l0_dispatch', 'comp')
-F0_l0_experts = self.fwd_l0_experts(0, stream = 'comp')
+F0_l0_experts = self.fwd_l0_experts(0)
 record_event_3 = fxoverlap_program_record_event('ev_F0_l0_experts', 'comp')
 wait_event_3 = fxoverlap_program_wait_event('ev_F0_l0_experts', 'comm')
-F0_l0_combine = self.fwd_l0_combine(0, stream = 'comm')
+F0_l0_combine = self.fwd_l0_combine(0)
 record_event_4 = fxoverlap_program_record_event('ev_F0_l0_combine', 'comm')
 wait_event_4 = fxoverlap_program_wait_event('ev_F0_l0_combine', 'comp')
-F0_l0_post = self.fwd_l0_post(0, stream = 'comp')
-F0_l1_attn = self.fwd_l1_attn(0, stream = 'comp')
-F0_l1_mlp = self.fwd_l1_mlp(0, stream = 'comp')
-F0_model_head = self.fwd_model_head(0, stream = 'comp')
-B0_model_head = self.bwd_model_head(0, stream = 'comp')
-F1_model_embed = self.fwd_model_embed(1, stream = 'comp')
-F1_l0_attn = self.fwd_l0_attn(1, stream = 'comp')
+F0_l0_post = self.fwd_l0_post(0)
+F0_l1_attn = self.fwd_l1_attn(0)
+F0_l1_mlp = self.fwd_l1_mlp(0)
+F0_model_head = self.fwd_model_head(0)
+output_F0_model_head = fxoverlap_program_output(0, 'getitem_18')
+B0_model_head = self.bwd_model_head(0)
+accumulate_B0_model_head = fxoverlap_program_accumulate(0, 't_19', 'view_27')
+F1_model_embed = self.fwd_model_embed(1)
+F1_l0_attn = self.fwd_l0_attn(1)
 record_event_5 = fxoverlap_program_record_event('ev_F1_l0_attn', 'comp')
-B0_l1_mlp = self.bwd_l1_mlp(0, stream = 'comp')
+B0_l1_mlp = self.bwd_l1_mlp(0)
+accumulate_B0_l1_mlp = fxoverlap_program_accumulate(0, 't_23', 't_27', 't_31')
 wait_event_5 = fxoverlap_program_wait_event('ev_F1_l0_attn', 'comm')
-F1_l0_dispatch = self.fwd_l0_dispatch(1, stream = 'comm')
+F1_l0_dispatch = self.fwd_l0_dispatch(1)
 record_event_6 = fxoverlap_program_record_event('ev_F1_l0_dispatch', 'comm')
 wait_event_6 = fxoverlap_program_wait_event('ev_F1_l0_dispatch', 'comp')
-F1_l0_experts = self.fwd_l0_experts(1, stream = 'comp')
+F1_l0_experts = self.fwd_l0_experts(1)
 record_event_7 = fxoverlap_program_record_event('ev_F1_l0_experts', 'comp')
-B0_l1_attn = self.bwd_l1_attn(0, stream = 'comp')
+B0_l1_attn = self.bwd_l1_attn(0)
+accumulate_B0_l1_attn = fxoverlap_program_accumulate(0, <6 values>)
 wait_event_7 = fxoverlap_program_wait_event('ev_F1_l0_experts', 'comm')
-F1_l0_combine = self.fwd_l0_combine(1, stream = 'comm')
+F1_l0_combine = self.fwd_l0_combine(1)
 record_event_8 = fxoverlap_program_record_event('ev_F1_l0_combine', 'comm')
-B0_l0_post = self.bwd_l0_post(0, stream = 'comp')
+B0_l0_post = self.bwd_l0_post(0)
 record_event_9 = fxoverlap_program_record_event('ev_B0_l0_post', 'comp')
 wait_event_8 = fxoverlap_program_wait_event('ev_F1_l0_combine', 'comp')
-F1_l0_post = self.fwd_l0_post(1, stream = 'comp')
-F1_l1_attn = self.fwd_l1_attn(1, stream = 'comp')
+F1_l0_post = self.fwd_l0_post(1)
+F1_l1_attn = self.fwd_l1_attn(1)
 wait_event_9 = fxoverlap_program_wait_event('ev_B0_l0_post', 'comm')
-B0_l0_combine = self.bwd_l0_combine(0, stream = 'comm')
+B0_l0_combine = self.bwd_l0_combine(0)
 record_event_10 = fxoverlap_program_record_event('ev_B0_l0_combine', 'comm')
 wait_event_10 = fxoverlap_program_wait_event('ev_B0_l0_combine', 'comp')
-B0_l0_experts = self.bwd_l0_experts(0, stream = 'comp')
+B0_l0_experts = self.bwd_l0_experts(0)
 record_event_11 = fxoverlap_program_record_event('ev_B0_l0_experts', 'comp')
-F1_l1_mlp = self.fwd_l1_mlp(1, stream = 'comp')
+accumulate_B0_l0_experts = fxoverlap_program_accumulate(0, 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2')
+F1_l1_mlp = self.fwd_l1_mlp(1)
 wait_event_11 = fxoverlap_program_wait_event('ev_B0_l0_experts', 'comm')
-B0_l0_dispatch = self.bwd_l0_dispatch(0, stream = 'comm')
+B0_l0_dispatch = self.bwd_l0_dispatch(0)
 record_event_12 = fxoverlap_program_record_event('ev_B0_l0_dispatch', 'comm')
 wait_event_12 = fxoverlap_program_wait_event('ev_B0_l0_dispatch', 'comp')
-B0_l0_attn = self.bwd_l0_attn(0, stream = 'comp')
-F1_model_head = self.fwd_model_head(1, stream = 'comp')
-B0_model_embed = self.bwd_model_embed(0, stream = 'comp')
-B1_model_head = self.bwd_model_head(1, stream = 'comp')
-B1_l1_mlp = self.bwd_l1_mlp(1, stream = 'comp')
-B1_l1_attn = self.bwd_l1_attn(1, stream = 'comp')
-B1_l0_post = self.bwd_l0_post(1, stream = 'comp')
+B0_l0_attn = self.bwd_l0_attn(0)
+accumulate_B0_l0_attn = fxoverlap_program_accumulate(0, <10 values>)
+F1_model_head = self.fwd_model_head(1)
+output_F1_model_head = fxoverlap_program_output(1, 'getitem_18')
+B0_model_embed = self.bwd_model_embed(0)
+accumulate_B0_model_embed = fxoverlap_program_accumulate(0, 'embedding_dense_backward')
+B1_model_head = self.bwd_model_head(1)
+accumulate_B1_model_head = fxoverlap_program_accumulate(1, 't_19', 'view_27')
+B1_l1_mlp = self.bwd_l1_mlp(1)
+accumulate_B1_l1_mlp = fxoverlap_program_accumulate(1, 't_23', 't_27', 't_31')
+B1_l1_attn = self.bwd_l1_attn(1)
+accumulate_B1_l1_attn = fxoverlap_program_accumulate(1, <6 values>)
+B1_l0_post = self.bwd_l0_post(1)
 record_event_13 = fxoverlap_program_record_event('ev_B1_l0_post', 'comp')
 wait_event_13 = fxoverlap_program_wait_event('ev_B1_l0_post', 'comm')
-B1_l0_combine = self.bwd_l0_combine(1, stream = 'comm')
+B1_l0_combine = self.bwd_l0_combine(1)
 record_event_14 = fxoverlap_program_record_event('ev_B1_l0_combine', 'comm')
 wait_event_14 = fxoverlap_program_wait_event('ev_B1_l0_combine', 'comp')
-B1_l0_experts = self.bwd_l0_experts(1, stream = 'comp')
+B1_l0_experts = self.bwd_l0_experts(1)
 record_event_15 = fxoverlap_program_record_event('ev_B1_l0_experts', 'comp')
+accumulate_B1_l0_experts = fxoverlap_program_accumulate(1, 'grouped_mm_wgrad', 'grouped_mm_wgrad_1', 'grouped_mm_wgrad_2')
 wait_event_15 = fxoverlap_program_wait_event('ev_B1_l0_experts', 'comm')
-B1_l0_dispatch = self.bwd_l0_dispatch(1, stream = 'comm')
+B1_l0_dispatch = self.bwd_l0_dispatch(1)
 record_event_16 = fxoverlap_program_record_event('ev_B1_l0_dispatch', 'comm')
 wait_event_16 = fxoverlap_program_wait_event('ev_B1_l0_dispatch', 'comp')
-B1_l0_attn = self.bwd_l0_attn(1, stream = 'comp')
-B1_model_embed = self.bwd_model_embed(1, stream = 'comp')
+B1_l0_attn = self.bwd_l0_attn(1)
+accumulate_B1_l0_attn = fxoverlap_program_accumulate(1, <10 values>)
+B1_model_embed = self.bwd_model_embed(1)
+accumulate_B1_model_embed = fxoverlap_program_accumulate(1, 'embedding_dense_backward')
 record_event_17 = fxoverlap_program_record_event('end', 'comm')
 wait_event_17 = fxoverlap_program_wait_event('end', 'comp')""")
 
@@ -507,19 +543,18 @@ def test_drain_runs_each_wgrad_after_the_next_comm_stage():
     engine = fxoverlap.optimize(MoETransformer(cfg), None, fxoverlap.OverlapConfig(delay_wgrad=True))
     engine.forward_backward([_batch(), _batch()])
     stages = {s.name: s for s in engine.stages}
-    calls = [n for n in engine.program.graph.nodes if n.op == "call_module"]
-    drain = [n for n in calls if n.meta["microbatch"] == 1 and n.name.startswith("B")]
-    assert all(n.meta["slot"] is None for n in drain)
-    assert [n.name.removeprefix("B1_") for n in drain] == [
-        "model_head", "l1_post", "l1_combine",
+    drain = [(n, st) for n, st in stage_calls(engine.program) if st.microbatch == 1 and n.name.startswith("B")]
+    assert all(st.slot is None for _, st in drain)
+    assert [n.name.removeprefix("B1_") for n, _ in drain] == [
+        "model_head", "l1_post", "l1_combine", "l1_attn_early",  # the early part runs under the combine
         "l1_experts", "l1_dispatch", "l1_experts_wgrad",
-        "l1_attn", "l0_post", "l0_combine", "l1_attn_wgrad",
+        "l1_attn", "l0_post", "l0_combine", "l1_attn_wgrad", "l0_attn_early",
         "l0_experts", "l0_dispatch", "l0_experts_wgrad",
         "l0_attn", "l0_attn_wgrad",  # no comm stage left: right after its parent
         "model_embed",
     ]
-    pos = {n.meta["stage"]: i for i, n in enumerate(drain)}
-    comm = [i for i, n in enumerate(drain) if stages[n.meta["stage"]].stream is StreamKind.COMM]
+    pos = {st.stage: i for i, (_, st) in enumerate(drain)}
+    comm = [i for i, (_, st) in enumerate(drain) if stages[st.stage].stream is StreamKind.COMM]
     for name, s in stages.items():
         if s.wgrad_of is not None:
             after = [i for i in comm if i > pos[s.wgrad_of]]

@@ -1,0 +1,54 @@
+"""The vocabulary every pass and the runtime share: metadata keys and op names, each defined once.
+
+Joint-graph nodes (the captured train step) carry, in ``node.meta``:
+
+* ``"custom"``: the annotations made while tracing (``torch.fx.traceback.annotate``):
+  :data:`LAYER_KEY` (decoder layer index), :data:`CHILD_KEY` (the layer child
+  that ran the op), :data:`REGION_KEY` (an ``fxoverlap.region`` marker);
+* :data:`TAG_KEY`: the node's :class:`~fxoverlap.stage.Tag` (set by ``tag``, refined by
+  ``side`` and ``recompute``);
+* :data:`RECOMPUTE_LAYERS_KEY`: on recompute clones, the layers of their group.
+
+Program nodes (the emitted schedule) carry :data:`STEP_KEY`: a
+:class:`fxoverlap.program_ops.Step`, what the node reads and writes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+# ---- annotations made while tracing (inside node.meta["custom"])
+LAYER_KEY = "fxoverlap_layer"
+CHILD_KEY = "fxoverlap_child"
+REGION_KEY = "fxoverlap_region"
+
+# ---- joint-graph node metadata written by the passes
+TAG_KEY = "fxoverlap_tag"
+RECOMPUTE_LAYERS_KEY = "fxoverlap_recompute_layers"
+
+# ---- program node metadata
+STEP_KEY = "fxoverlap_step"
+
+
+def custom(node: torch.fx.Node) -> dict:
+    """The tracing-time annotations of ``node`` (empty when it has none)."""
+    return node.meta.get("custom") or {}
+
+
+def op_name(target_or_node) -> str:
+    """``"aten.mm"``, ``"fxoverlap.dispatch"``: a short, release-stable name of an op."""
+    t = target_or_node.target if isinstance(target_or_node, torch.fx.Node) else target_or_node
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.replace("::", ".")
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name.replace("::", ".")
+    return getattr(t, "__name__", str(t))
+
+
+# ops whose result the host reads: a sync on CUDA, and a value no CUDA graph can replay
+HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense"})
+
+
+def is_host_sync(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and op_name(node) in HOST_SYNC_OPS

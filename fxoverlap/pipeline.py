@@ -1,0 +1,61 @@
+"""The pass pipeline, in one place for both entry points (``optimize`` and the backend).
+
+    capture ─ tag ─ side ─ recompute ─ split ─ cudagraph ─ inductor      (once per plan)
+    schedule ─ streams ─ free                                             (once per microbatch count)
+
+``cudagraph`` only chooses stages (``stage.graphed``), so it runs before
+``inductor``, which compiles each compute stage whether it is graphed or not,
+and before ``free``, which reads the choice.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.fx
+
+from fxoverlap.config import OverlapConfig
+from fxoverlap.passes.capture import Capture
+from fxoverlap.passes.cudagraph import cudagraph
+from fxoverlap.passes.free import free
+from fxoverlap.passes.inductor import inductor
+from fxoverlap.passes.recompute import recompute
+from fxoverlap.passes.schedule import schedule
+from fxoverlap.passes.side import side
+from fxoverlap.passes.split import split
+from fxoverlap.passes.streams import streams
+from fxoverlap.passes.tag import tag
+from fxoverlap.stage import Stage
+
+
+def _progress(msg: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def build_stages(capture: Capture, config: OverlapConfig, device_type: str, train: bool = True) -> list[Stage]:
+    """The stages of a capture, chosen for CUDA graphs and compiled as ``config`` says."""
+    gm = tag(capture)
+    if config.side_stages:
+        gm = side(gm)
+    if train and config.mhc_recompute_group is not None:
+        gm = recompute(gm, capture.num_layers, config.mhc_recompute_group)
+    stages = split(gm, capture.num_layers, delay_wgrad=config.delay_wgrad and train)
+    if config.cuda_graphs:
+        cudagraph(stages)
+    if config.resolved_compiler(device_type) == "inductor":
+        inductor(stages, capture, dict(config.compile_options or {}),
+                 progress=_progress if config.progress else None)
+    return stages
+
+
+def build_program(stages: list[Stage], capture: Capture, num_microbatches: int, config: OverlapConfig,
+                  forward_only: bool = False) -> torch.fx.GraphModule:
+    """The program that runs ``stages`` over ``num_microbatches`` microbatches."""
+    program = streams(schedule(stages, capture, num_microbatches, forward_only=forward_only))
+    if config.free_early:
+        program = free(program, stages, capture)
+    return program
