@@ -285,35 +285,46 @@ def explain_capture_error(model: nn.Module, exc: BaseException) -> str | None:
     meta kernel accepts only bf16) and (2) ``experts_implementation="eager"`` (a Python loop
     over the experts that were hit: a guard on data), each raised inside an experts module;
     and (3) transformers' packed-sequence check of the attention mask, which reads data when
-    no cache is built. Meant for ``passes/capture.py`` to append to its ``CaptureError``.
+    no cache is built. ``exc`` may also wrap one of them (``__cause__`` / ``__context__``).
+    Meant for ``passes/capture.py`` to append to its ``CaptureError``.
     """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        msg = _explain_one(model, exc)
+        if msg is not None:
+            return msg
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _explain_one(model: nn.Module, exc: BaseException) -> str | None:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     msg = str(exc)
-    frames = _module_frames(model, exc)
-    experts = [(n, m, f) for n, m, f in frames if _stacked_dim(m) is not None and _called_with_three_tensors(m)]
-    fix = (f"call fxoverlap.expert_parallel(model, ep_group) before fxoverlap.optimize (it runs the experts as "
-           f"fxoverlap grouped GEMMs between dispatch and combine, in any dtype)")
+    experts = [(n, m, f) for n, m, f in _module_frames(model, exc)
+               if _stacked_dim(m) is not None and _called_with_three_tensors(m)]
+    fix = ("call fxoverlap.expert_parallel(model, ep_group) before fxoverlap.optimize (it runs the experts as "
+           "fxoverlap grouped GEMMs between dispatch and combine, in any dtype)")
     if experts and "Expected inputs of BF16 type" in msg:
         name, mod, frame = experts[0]
         dtype = next(mod.parameters()).dtype
         return (f"fxoverlap capture: {name} ({type(mod).__name__}) runs experts_implementation=\"grouped_mm\", whose "
                 f"torch._grouped_mm accepts only bfloat16 while tracing, and its weights are {dtype} "
                 f"(in {_where(frame)}); {fix}, or load the model in bfloat16")
-    guard = isinstance(exc, GuardOnDataDependentSymNode) or "GuardOnDataDependentSymNode" in type(exc).__name__
-    if guard and experts:
+    if not isinstance(exc, GuardOnDataDependentSymNode):
+        return None
+    if experts:
         name, mod, frame = experts[0]
-        expr = msg.split("expression ", 1)[-1].split(" ", 1)[0] if "expression " in msg else "a data-dependent value"
+        expr = msg.split("expression ", 1)[1].split(" ", 1)[0] if "expression " in msg else "a data-dependent value"
         return (f"fxoverlap capture: {name} ({type(mod).__name__}) runs experts_implementation=\"eager\", a Python "
                 f"loop over the experts that were hit, which needs the routing on the host while tracing (guard on "
                 f"{expr} in {_where(frame)}); {fix}, or use experts_implementation=\"grouped_mm\" in bfloat16")
-    if guard:
-        mask = [f for f in traceback.extract_tb(exc.__traceback__) if f.name == "find_packed_sequence_indices"]
-        if mask:
-            return (f"fxoverlap capture: transformers' attention-mask helper {_where(mask[-1])} checks on data whether "
-                    f"the batch packs several sequences, because it does not see AOTAutograd's tracing; it runs only "
-                    f"when no cache is built: keep the model's use_cache=True (the default), or pass an attention "
-                    f"mask built outside the model")
+    mask = [f for f in traceback.extract_tb(exc.__traceback__) if f.name == "find_packed_sequence_indices"]
+    if mask:
+        return (f"fxoverlap capture: transformers' attention-mask helper {_where(mask[-1])} checks on data whether "
+                f"the batch packs several sequences (its tracing check does not see AOTAutograd); it runs only "
+                f"when the model builds no cache: keep use_cache=True in the model's config (the default)")
     return None
 
 
