@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import traceback
 import types
 
@@ -71,6 +72,11 @@ class ExpertShard:
     @property
     def ep(self) -> int:
         return self.num_experts // self.num_local
+
+    def __deepcopy__(self, memo: dict) -> "ExpertShard":
+        # Immutable, and a process group cannot be copied: a deep copy of the model
+        # (an EMA copy, say) shares the group, as its copies of the shard would.
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +281,7 @@ def _module_frames(model: nn.Module, exc: BaseException) -> list[tuple[str, nn.M
 
 def _where(frame: traceback.FrameSummary) -> str:
     line = (frame.line or "").strip()
-    return f"{frame.name}() at {frame.filename.rsplit('site-packages/', 1)[-1]}:{frame.lineno}" + (f" ({line})" if line else "")
+    return f"{frame.name}() at {frame.filename.rsplit('site-packages/', 1)[-1]}:{frame.lineno}" + (f": `{line}`" if line else "")
 
 
 def explain_capture_error(model: nn.Module, exc: BaseException) -> str | None:
@@ -311,15 +317,17 @@ def _explain_one(model: nn.Module, exc: BaseException) -> str | None:
         dtype = next(mod.parameters()).dtype
         return (f"fxoverlap capture: {name} ({type(mod).__name__}) runs experts_implementation=\"grouped_mm\", whose "
                 f"torch._grouped_mm accepts only bfloat16 while tracing, and its weights are {dtype} "
-                f"(in {_where(frame)}); {fix}, or load the model in bfloat16")
+                f"(in {_where(frame)}); {fix}, or, on one rank without expert parallelism, load the model in bfloat16")
     if not isinstance(exc, GuardOnDataDependentSymNode):
         return None
     if experts:
         name, mod, frame = experts[0]
-        expr = msg.split("expression ", 1)[1].split(" ", 1)[0] if "expression " in msg else "a data-dependent value"
+        found = re.search(r"data-dependent expression (.+?) \(unhinted", msg)
+        expr = found.group(1) if found else "a data-dependent value"
         return (f"fxoverlap capture: {name} ({type(mod).__name__}) runs experts_implementation=\"eager\", a Python "
                 f"loop over the experts that were hit, which needs the routing on the host while tracing (guard on "
-                f"{expr} in {_where(frame)}); {fix}, or use experts_implementation=\"grouped_mm\" in bfloat16")
+                f"{expr} in {_where(frame)}); {fix}, or, on one rank without expert "
+                f"parallelism, use experts_implementation=\"grouped_mm\" in bfloat16")
     mask = [f for f in traceback.extract_tb(exc.__traceback__) if f.name == "find_packed_sequence_indices"]
     if mask:
         return (f"fxoverlap capture: transformers' attention-mask helper {_where(mask[-1])} checks on data whether "

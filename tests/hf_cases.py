@@ -138,13 +138,13 @@ def families_on_two_ranks(rank: int, world: int, families: list[str], dtypes: li
             full = build(family, getattr(torch, dtype_name))
             ref_losses, own, total = reference(full, rank, world)
             eager = fxoverlap.expert_parallel(copy.deepcopy(full), group)
+            optimized = copy.deepcopy(eager)  # a deep copy of a sharded model shares its group
             losses = eager_losses(eager, batches(rank))
             shapes = {n: tuple(p.shape) for n, p in eager.named_parameters()}
             want = rank_view(own, total, shapes, rank)
             row = {"expert_params": sorted(n for n, _ in full.named_parameters() if ".experts." in n),
                    "names_equal": sorted(shapes) == sorted(n for n, _ in full.named_parameters()),
                    "eager": _result(eager, losses, ref_losses, want, full)}
-            optimized = fxoverlap.expert_parallel(copy.deepcopy(full), group)
             engine = fxoverlap.optimize(optimized, group)
             losses = engine.forward_backward(batches(rank), loss_fn=next_token_loss)
             row["optimize"] = dict(_result(optimized, losses, ref_losses, want, full),
