@@ -150,7 +150,11 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, of
                     row_expert: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     """Rows of local expert g times its weight ``w[g]`` (``[in, out]`` if transposed, else ``[out, in]``)."""
     y = ops.grouped_mm(x.to(w.dtype), w if transposed else w.transpose(-1, -2), offs)
-    return y if b is None else y + b.index_select(0, row_expert)
+    if b is None:
+        return y
+    # Bias rows gathered in fp32: the same forward (one rounding of the exact sum), and the
+    # backward sums each expert's rows (an index_add) in fp32 instead of in bf16.
+    return (y + b.float().index_select(0, row_expert)).to(y.dtype)
 
 
 def _local_experts(mod: nn.Module, layout: _Layout, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
