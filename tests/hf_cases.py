@@ -44,6 +44,27 @@ _FAMILIES = {
     # dense: no experts module
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=64, num_key_value_heads=2)),
 }
+# More families that share the interface, checked on one rank in eager (recognition and
+# per-expert math; the all-to-all path is the same code as for the families above).
+_MOE = dict(intermediate_size=32, moe_intermediate_size=16, num_key_value_heads=2, head_dim=8)
+_FAMILIES.update({
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_MOE, num_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        _MOE, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=16)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(_MOE, num_local_experts=4, num_experts_per_tok=2)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        _MOE, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        _MOE, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(_MOE, moe_num_experts=4, moe_k=2)),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
+        _MOE, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(_MOE, num_experts=4, moe_topk=2)),
+})
+MORE_FAMILIES = ["olmoe", "qwen2_moe", "granitemoe", "glm4_moe", "deepseek_v2", "ernie4_5_moe", "minimax",
+                 "hunyuan_v1_moe"]
 
 
 def build(family: str, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:

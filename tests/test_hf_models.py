@@ -21,12 +21,14 @@ model is (2× its distance + one bf16 rounding).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import hf_cases
 import fxoverlap
-from fxoverlap.expert_parallel import ExpertParallelError, explain_capture_error
+from fxoverlap.expert_parallel import ExpertParallelError, explain_capture_error, find_experts
 from fxoverlap.passes.capture import capture
 from fxoverlap.testing import run_distributed, take_grads
 
@@ -122,6 +124,22 @@ def test_one_rank_without_group_matches_model():
     assert _worst(rel)[0] <= FP32_TOL, _worst(rel)
     # A second call with the same group leaves the model as it is.
     assert fxoverlap.expert_parallel(model, None).model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
+
+
+@pytest.mark.parametrize("family", hf_cases.MORE_FAMILIES)
+def test_more_families_one_rank_eager(family):
+    """Families never named in fxoverlap: found by their experts interface, same losses and grads."""
+    full = hf_cases.build(family)
+    ref = copy.deepcopy(full)
+    mbs = hf_cases.batches(0)
+    ref_losses = hf_cases.eager_losses(ref, mbs)
+    want = take_grads(ref)
+    model = fxoverlap.expert_parallel(full, None)
+    assert [n for n, _ in find_experts(model)], family
+    losses = hf_cases.eager_losses(model, mbs)
+    assert all(abs(a.item() - b.item()) <= 1e-6 * abs(b.item()) for a, b in zip(losses, ref_losses))
+    rel = hf_cases.rel({n: p.grad for n, p in model.named_parameters()}, want)
+    assert _worst(rel)[0] <= FP32_TOL, _worst(rel)
 
 
 def test_unrecognised_model_error():
