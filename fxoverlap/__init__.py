@@ -2,11 +2,12 @@
 
 from fxoverlap.config import OverlapConfig
 from fxoverlap.engine import Engine, optimize
+from fxoverlap.expert_parallel import expert_parallel
 from fxoverlap.region import region
 from fxoverlap.runtime import StageFailed
 from fxoverlap.stage import Direction, Stage, StageKind, StreamKind
 
-__all__ = ["Engine", "optimize", "OverlapConfig", "region", "StageFailed", "Direction", "Stage", "StageKind", "StreamKind"]
+__all__ = ["Engine", "optimize", "expert_parallel", "OverlapConfig", "region", "StageFailed", "Direction", "Stage", "StageKind", "StreamKind"]
 __version__ = "0.1.0"
 
 from fxoverlap import backend  # noqa: E402,F401  (registers torch.compile backend "fxoverlap")
