@@ -10,6 +10,9 @@ peer measurement in DESIGN.md; other shapes by flags), then in one run, on the
 same weights and microbatches:
 
 * **eager**: ``for mb in microbatches: model(*mb).backward()``
+* **compile**: the same loop through ``torch.compile(model)`` (Inductor, no overlap): the
+  strongest no-overlap alternative a user has, and the baseline to beat
+* **backend**: the same loop through ``torch.compile(model, backend="fxoverlap")``
 * **fxoverlap**: ``fxoverlap.optimize(model, group).forward_backward(microbatches)``
 
 Each mode: warm-up, then the median of ``--iters`` steps timed with CUDA events
@@ -73,7 +76,7 @@ from fxoverlap.models.moe import MoEConfig, MoETransformer
 from fxoverlap.program_ops import stage_calls
 from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
 
-MODES = ("eager", "fxoverlap")
+MODES = ("eager", "compile", "backend", "fxoverlap")
 COMP, COMM = "comp", "comm"
 
 
@@ -108,6 +111,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     run.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     run.add_argument("--warmup", type=int, help="warm-up steps per mode (default 3; 1 with --tiny)")
     run.add_argument("--iters", type=int, help="timed steps per mode (default 8; 3 with --tiny)")
+    run.add_argument("--no-stage-timing", action="store_true",
+                     help="skip the stage-timed runs (T_serial, T_bound), the timeline and the trace")
     run.add_argument("--stage-reps", type=int, default=3,
                      help="runs of the stage-timed program for T_serial/T_bound (median per stage)")
     run.add_argument("--overlap-config", default="",
@@ -401,6 +406,7 @@ class Bench:
             for _ in range(args.microbatches)
         ]
         self.engine = fxoverlap.optimize(self.model, group, config=args.overlap)
+        self._compiled = self._backend = None
         self.tokens_per_step = self.world * args.microbatches * args.micro_batch_size * args.seq
         self.result: dict[str, Any] = {}
 
@@ -431,6 +437,28 @@ class Bench:
 
     def step_fx(self) -> list[torch.Tensor]:
         return self.engine.forward_backward(self.mbs)
+
+    def _loop(self, fn) -> list[torch.Tensor]:
+        losses = []
+        for mb in self.mbs:
+            loss = fn(*mb)
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
+
+    def step_compile(self) -> list[torch.Tensor]:
+        if self._compiled is None:
+            self._compiled = torch.compile(self.model)
+        return self._loop(self._compiled)
+
+    def step_backend(self) -> list[torch.Tensor]:
+        if self._backend is None:
+            cfg = self.args.overlap
+            options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                       if getattr(cfg, f.name) != f.default and f.name != "compile_options"}
+            options.update(cfg.compile_options or {})
+            self._backend = torch.compile(self.model, backend="fxoverlap", options=options or None)
+        return self._loop(self._backend)
 
     # -- one mode
     def time_mode(self, mode: str, step: Callable[[], list[torch.Tensor]]) -> dict[str, Any]:
@@ -604,7 +632,7 @@ class Bench:
         ref = None
         if "eager" in a.modes:
             r["modes"]["eager"] = self.time_mode("eager", self.step_eager)
-            if "fxoverlap" in a.modes and not a.no_grad_check:
+            if any(m in a.modes for m in ("compile", "backend", "fxoverlap")) and not a.no_grad_check:
                 ref = self.grads_to_host()
                 # Run-to-run noise of eager itself (non-deterministic GPU kernels), to
                 # judge fxoverlap's difference against.
@@ -616,14 +644,23 @@ class Bench:
                     "eager_rerun_grads_bitwise": rerun["grads_bitwise"],
                 }
             self.write()
+        for mode, step in (("compile", self.step_compile), ("backend", self.step_backend)):
+            if mode in a.modes:
+                r["modes"][mode] = self.time_mode(mode, step)
+                if ref is not None:
+                    r.setdefault("numerics", {})[mode] = self.grad_check(ref)
+                self.write()
         if "fxoverlap" in a.modes:
             r["modes"]["fxoverlap"] = fx = self.time_mode("fxoverlap", self.step_fx)
             fx["stages"] = len(self.engine.stages)
+            fx["runs_as"] = {k: sum(s.runs_as == k for s in self.engine.stages) for k in ("inductor", "eager", "graphed")}
             if ref is not None:
                 r.setdefault("numerics", {}).update(self.grad_check(ref))
                 del ref
             self.write()
             self.zero_grads()
+            if a.no_stage_timing:
+                return self._finish(r)
             r["stage_timing"] = st = self.stage_timing()
             r["T_serial_ms"], r["T_bound_ms"], r["T_fx_ms"] = st["T_serial"], st["T_bound"], fx["step_ms"]
             r["overlap_efficiency"] = overlap_efficiency(st["T_serial"], st["T_bound"], fx["step_ms"])
@@ -640,23 +677,36 @@ class Bench:
             if not a.no_trace:
                 self.log("profiling one fxoverlap step for the Chrome trace")
                 self.probed_step(profile=self.rank == 0)
+        return self._finish(r)
+
+    def _finish(self, r: dict[str, Any]) -> dict[str, Any]:
+        self._compare(r)
+        self.zero_grads()
+        self.write()
+        if self.rank == 0 and not self.args.quiet:
+            print(summary(r), flush=True)
+        return r
+
+    @staticmethod
+    def _compare(r: dict[str, Any]) -> None:
+        """Speed-ups of every mode against eager and against torch.compile(model)."""
+        modes = r["modes"]
+        r["speedups"] = {base: {m: modes[base]["step_ms"] / v["step_ms"] for m, v in modes.items()}
+                         for base in ("eager", "compile") if base in modes}
+        if "eager" in modes and modes["eager"].get("peak_mem_gib"):
+            r["peak_mem_vs_eager"] = {m: v["peak_mem_gib"] / modes["eager"]["peak_mem_gib"] for m, v in modes.items()}
+        if "fxoverlap" in modes:  # the fxoverlap figures under their earlier names
+            r["speedup_vs_eager"] = r["speedups"].get("eager", {}).get("fxoverlap")
+            r["peak_mem_ratio_vs_eager"] = r.get("peak_mem_vs_eager", {}).get("fxoverlap")
         if "eager" in r["modes"]:
             r["T_eager_ms"] = r["modes"]["eager"]["step_ms"]
         if "eager" in r["modes"] and "fxoverlap" in r["modes"]:
             e, f = r["modes"]["eager"], r["modes"]["fxoverlap"]
-            r["speedup_vs_eager"] = e["step_ms"] / f["step_ms"]
             diffs = [abs(x - y) for le, lf in zip(e["losses_per_rank"], f["losses_per_rank"]) for x, y in zip(le, lf)]
             r.setdefault("numerics", {}).update({
                 "loss_max_abs_diff": max(diffs) if diffs else None,
                 "losses_equal": all(d == 0 for d in diffs),
             })
-            if e["peak_mem_gib"]:
-                r["peak_mem_ratio_vs_eager"] = f["peak_mem_gib"] / e["peak_mem_gib"]
-        self.zero_grads()
-        self.write()
-        if self.rank == 0 and not a.quiet:
-            print(summary(r), flush=True)
-        return r
 
     def title(self) -> str:
         c = self.cfg
@@ -725,12 +775,12 @@ def _fmt(v, spec: str = ".1f") -> str:
 
 
 def summary(r: dict[str, Any]) -> str:
-    lines = ["", "mode        step ms   tokens/s   peak GiB   speedup"]
-    eager = r["modes"].get("eager")
+    lines = ["", "mode        step ms   tokens/s   peak GiB   vs eager   vs compile   first step s"]
+    sp = r.get("speedups", {})
     for mode, m in r["modes"].items():
-        sp = eager["step_ms"] / m["step_ms"] if eager else None
         lines.append(f"{mode:<10} {_fmt(m['step_ms']):>8} {_fmt(m['tokens_per_s'], '.0f'):>10} "
-                     f"{_fmt(m['peak_mem_gib'], '.2f'):>10} {_fmt(sp, '.3f'):>9}")
+                     f"{_fmt(m['peak_mem_gib'], '.2f'):>10} {_fmt(sp.get('eager', {}).get(mode), '.3f'):>9} "
+                     f"{_fmt(sp.get('compile', {}).get(mode), '.3f'):>11} {_fmt(m.get('first_step_s'), '.1f'):>13}")
     if "T_serial_ms" in r:
         st = r["stage_timing"]
         lines.append(

@@ -195,6 +195,10 @@ class Engine:
     def stage_table(self) -> str:
         return format_stage_table(self.stages)
 
+    def cuda_graph_summary(self) -> list[dict]:
+        """Per program: graphs captured, stages graphed, copies, pools, stages that fell back to eager."""
+        return self._cudagraphs.summaries()
+
 
 def _describe(mb: Sequence[torch.Tensor]) -> str:
     return "(" + ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in mb) + ")"

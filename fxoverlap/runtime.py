@@ -292,7 +292,8 @@ def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
     from fxoverlap.passes.schedule import schedule
 
     program = free(schedule(list(stages), capture, 1), list(stages), capture)
-    runner = ProgramRunner(program, stages, capture, torch.device("cpu"), grads=accumulate_into(model, capture))
+    device = next(model.parameters()).device
+    runner = ProgramRunner(program, stages, capture, device, grads=accumulate_into(model, capture))
     state = runner.run(static_values(capture, model), [inputs])
     return state.outputs[0][capture.loss_name]
 

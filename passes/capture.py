@@ -214,8 +214,18 @@ def capture(
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()
-    with fx_traceback.preserve_node_meta(), _annotate_layers(layers, param_children), contextlib.ExitStack() as stack, grad_mode:
-        joint = aot_export_joint_with_descriptors(stack, step, fake_inputs)
+    try:
+        with fx_traceback.preserve_node_meta(), _annotate_layers(layers, param_children), contextlib.ExitStack() as stack, grad_mode:
+            joint = aot_export_joint_with_descriptors(stack, step, fake_inputs)
+    except CaptureError:
+        raise
+    except Exception as e:
+        from fxoverlap.expert_parallel import explain_capture_error
+
+        hint = explain_capture_error(model, e)
+        if hint is None:
+            raise
+        raise CaptureError(hint) from e
     gm = joint.graph_module
     gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, flat tuple out
     gm.recompile()

@@ -84,7 +84,21 @@ def check_csan(device, emit):
         emit(dict(check="csan", routing=routing, delay_wgrad=wgrad, free_early=True, error=error, ok=error is None))
 
 
+def _compiled_grads(model, batches):
+    """torch.compile(model) run sequentially: the numerics a user of plain Inductor gets."""
+    compiled = torch.compile(model)
+    return [x.float() for x in eager_steps(compiled, batches)], take_grads(model, torch.float32)
+
+
 def check_numerics(device, emit, small=False):
+    """bf16 losses and gradients of forward_backward against eager, for both stage
+    compilers. compiler="eager" runs eager's kernels: the tolerance is eager's own
+    run-to-run noise (x4) or two bf16 roundoffs. compiler="inductor" fuses kernels as
+    torch.compile does: its tolerance is twice the difference between torch.compile(model)
+    and eager measured here (or the eager one, if larger). With Inductor, the interleaved
+    program must equal the same compiled stages run one microbatch at a time, bitwise."""
+    from fxoverlap.runtime import run_plain
+
     for routing in ROUTINGS:
         dim, seq = (256, 256) if small else (1024, 1024)
         cfg = MoEConfig.tiny(dim=dim, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=dim // 2,
@@ -94,16 +108,30 @@ def check_numerics(device, emit, small=False):
         batches = _batches(cfg, 3, 2, seq, device)
         l1, g1 = _eager(model, batches)
         l2, g2 = _eager(model, batches)
-        engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(delay_wgrad=True))
-        losses = [x.float() for x in engine.forward_backward(batches)]
-        gf = take_grads(model, torch.float32)
+        lc, gc = _compiled_grads(model, batches)
         noise, _ = rel_l2(g1, g2)
-        err, worst = rel_l2(g1, gf)
-        tol = max(4 * noise, 2.0 ** -7)
-        loss_err = max(abs(a - b).item() / abs(a).item() for a, b in zip(l1, losses))
-        emit(dict(check="numerics_bf16", routing=routing, eager_noise_rel_l2=noise, fx_rel_l2=err, worst_param=worst,
-                  tolerance=tol, loss_rel_err=loss_err, bitwise=all(torch.equal(g1[k], gf[k]) for k in g1),
-                  ok=err <= tol and loss_err <= tol))
+        compile_err, _ = rel_l2(g1, gc)
+        for compiler in ("eager", "inductor"):
+            engine = fxoverlap.optimize(model, dist.group.WORLD,
+                                        fxoverlap.OverlapConfig(delay_wgrad=True, compiler=compiler))
+            losses = [x.float() for x in engine.forward_backward(batches)]
+            gf = take_grads(model, torch.float32)
+            err, worst = rel_l2(g1, gf)
+            vs_compile, _ = rel_l2(gc, gf)
+            tol = max(4 * noise, 2.0 ** -7) if compiler == "eager" else max(2 * compile_err, 4 * noise, 2.0 ** -7)
+            loss_err = max(abs(a - b).item() / abs(a).item() for a, b in zip(l1, losses))
+            r = dict(check="numerics_bf16", routing=routing, compiler=compiler, eager_noise_rel_l2=noise,
+                     compile_vs_eager_rel_l2=compile_err, fx_rel_l2=err, fx_vs_compile_rel_l2=vs_compile,
+                     worst_param=worst, tolerance=tol, loss_rel_err=loss_err,
+                     bitwise=all(torch.equal(g1[k], gf[k]) for k in g1), ok=err <= tol and loss_err <= tol)
+            if compiler == "inductor":
+                plan = engine.plan(batches)
+                plain = [run_plain(plan.stages, plan.capture, model, b).float() for b in batches]
+                gp = take_grads(model, torch.float32)
+                r["plain_order_bitwise"] = all(torch.equal(a, b) for a, b in zip(plain, losses)) and all(
+                    torch.equal(gp[k], gf[k]) for k in gf)
+                r["ok"] = r["ok"] and r["plain_order_bitwise"]
+            emit(r)
 
 
 def check_row_sum(device, emit):

@@ -15,7 +15,7 @@
   make the next replay of that copy wait.
 
 What needs a GPU (real capture, memory pools, streams, NCCL teardown) is in
-``tests/gpu_cudagraph_check.py``.
+``scripts/gpu_cudagraph_check.py``.
 """
 
 from __future__ import annotations
