@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from fxoverlap import program_ops
 from fxoverlap.meta import STEP_KEY
-from fxoverlap.passes.capture import Capture
+from fxoverlap.passes.capture import Capture, inner_value
 from fxoverlap.program_ops import Step
 from fxoverlap.stage import Direction, Stage, StreamKind
 
@@ -44,26 +44,57 @@ class StageFailed(RuntimeError):
 
 
 def static_values(capture: Capture, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers of ``model`` under their placeholder names."""
+    """Parameters and buffers of ``model`` under their placeholder names (a tensor
+    subclass's flattened parts under theirs)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     out = {ph: params[fqn] for ph, fqn in capture.param_placeholders.items()}
     out.update({ph: buffers[fqn] for ph, fqn in capture.buffer_placeholders.items()})
+    for ph, (fqn, path) in capture.subclass_placeholders.items():
+        out[ph] = inner_value(params[fqn] if fqn in params else buffers[fqn], path)
     return out
 
 
 def accumulate_into(model: nn.Module, capture: Capture) -> GradSink:
-    """A :data:`GradSink` that adds into ``p.grad`` as eager's AccumulateGrad does."""
+    """A :data:`GradSink` that adds into ``p.grad`` as eager's AccumulateGrad does.
+
+    A tensor-subclass parameter's gradient arrives as parts; once a microbatch's
+    parts are all in, they are wrapped into the subclass the traced backward
+    produced (for a DTensor: its mesh and placements, which may differ from the
+    parameter's) and accumulated as that."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
     by_value = {v: params[fqn] for v, fqn in capture.grads.items()}
+    n_parts = {fqn: sum(1 for v, f in capture.grads.items() if f == fqn and v in capture.grad_parts)
+               for fqn in capture.grad_layouts}
+    pending: dict[str, dict[tuple[str, ...], torch.Tensor]] = {}
+
+    def add(p: nn.Parameter, g: torch.Tensor) -> None:
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
 
     def sink(name: str, g: torch.Tensor, graph_memory: bool) -> None:
         p = by_value[name]
-        if p.grad is None:
-            # graph memory is overwritten at the next replay: p.grad must not alias it
-            p.grad = g.detach().clone() if graph_memory or g.data_ptr() == p.data_ptr() else g.detach()
-        else:
-            p.grad.add_(g)
+        path = capture.grad_parts.get(name)
+        # graph memory is overwritten at the next replay: p.grad must not alias it (nor p)
+        if graph_memory or g.data_ptr() == inner_value(p, path or ()).data_ptr():
+            g = g.detach().clone()
+        if path is None:
+            add(p, g.detach())
+            return
+        fqn = capture.grads[name]
+        parts = pending.setdefault(fqn, {})
+        parts[path] = g.detach()
+        if len(parts) == n_parts[fqn]:
+            del pending[fqn]
+            add(p, capture.grad_layouts[fqn].rebuild(lambda leaf: parts[leaf] if leaf in parts else opaque(fqn, leaf)))
+
+    def opaque(fqn: str, leaf: tuple[str, ...]):
+        """An opaque part of a gradient (a DTensor's mesh): the input part the graph passes through."""
+        owner, path = capture.subclass_placeholders[capture.grad_opaque[(fqn, leaf)]]
+        return inner_value(params[owner] if owner in params else buffers[owner], path)
 
     return sink
 
@@ -165,7 +196,7 @@ class ProgramRunner:
         stores = []
         for i, mb in enumerate(microbatches):
             store = dict(static)
-            store.update(zip(cap.input_placeholders, mb))
+            store.update(cap.bind_inputs(mb))
             if tangents is not None:
                 store.update(zip(cap.tangents, tangents[i]))
             else:

@@ -17,6 +17,14 @@ called once each per forward; the loss is a scalar tensor (the torch.compile
 backend accepts any tensor outputs). Buffers and inputs the forward updates in
 place (a load-balance counter, a running statistic) are allowed: the capture
 names each new value and what it must be copied into (``Capture.mutations``).
+
+Tensor-subclass parameters, buffers and inputs (DTensor) are traced flattened:
+the graph takes their inner values (``__tensor_flatten__`` attributes: a DTensor's
+``_local_tensor``, and its ``device_mesh`` where torch passes it as an opaque
+value), named in ``Capture.subclass_placeholders`` / ``input_parts``, and returns
+the inner values of their gradients (``grad_parts``), which the runtime wraps
+back into the subclass the traced backward produced (``grad_layouts``: for a
+DTensor its mesh and placements, as eager's gradient has them).
 """
 
 from __future__ import annotations
@@ -37,6 +45,43 @@ class CaptureError(RuntimeError):
     """The model cannot be captured as it is; the message says why and what to change."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SubclassLayout:
+    """How to rebuild a tensor subclass from its flattened parts with ``__tensor_unflatten__``.
+
+    ``attrs`` lists the subclass's ``__tensor_flatten__`` attributes in order, each
+    with the layout of an inner subclass, or None for a leaf (a plain tensor or an
+    opaque value such as a DTensor's mesh). ``meta``, ``outer_size`` and
+    ``outer_stride`` are what ``__tensor_unflatten__`` takes besides the parts.
+    """
+
+    cls: type
+    attrs: tuple[tuple[str, SubclassLayout | None], ...]
+    meta: object
+    outer_size: tuple[int, ...]
+    outer_stride: tuple[int, ...]
+
+    def leaves(self, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+        """Attribute paths of the leaves, outermost attribute first."""
+        out = []
+        for attr, sub in self.attrs:
+            out.extend(sub.leaves(prefix + (attr,)) if sub is not None else [prefix + (attr,)])
+        return out
+
+    def rebuild(self, leaf: Callable[[tuple[str, ...]], object], prefix: tuple[str, ...] = ()) -> torch.Tensor:
+        """The subclass whose leaf at each attribute path is ``leaf(path)``."""
+        inner = {attr: sub.rebuild(leaf, prefix + (attr,)) if sub is not None else leaf(prefix + (attr,))
+                 for attr, sub in self.attrs}
+        return self.cls.__tensor_unflatten__(inner, self.meta, self.outer_size, self.outer_stride)
+
+
+def inner_value(t, path: tuple[str, ...]):
+    """The flattened part of tensor subclass ``t`` at attribute ``path`` (``t`` for ``()``)."""
+    for attr in path:
+        t = getattr(t, attr)
+    return t
+
+
 @dataclasses.dataclass
 class Capture:
     """The joint graph of one train step and what its placeholders and outputs mean.
@@ -48,13 +93,20 @@ class Capture:
     parameter FQN), ``mutations`` (value -> placeholder it must be copied into: a
     buffer or input the forward mutates in place). ``tangents`` maps each tangent
     placeholder to the output it is the gradient of.
+
+    Tensor-subclass parameters and buffers appear as their flattened parts
+    (``subclass_placeholders``), inputs as theirs (``input_parts``); a subclass
+    parameter's gradient leaves the graph as parts too: each part's value is in
+    ``grads`` (-> FQN) and ``grad_parts`` (-> attribute path), and
+    ``grad_layouts[fqn]`` rebuilds the gradient from them (opaque leaves, such as a
+    mesh, come from the placeholder named in ``grad_opaque``).
     """
 
     graph_module: torch.fx.GraphModule
     fake_mode: object  # the FakeTensorMode whose ShapeEnv holds the graph's symbols
     param_placeholders: dict[str, str]  # placeholder name -> parameter FQN
     buffer_placeholders: dict[str, str]  # placeholder name -> buffer FQN
-    input_placeholders: list[str]  # the microbatch's tensors, in order
+    input_placeholders: list[str]  # the microbatch's tensors (or their parts), in order
     tangents: dict[str, str]  # tangent placeholder -> output value it seeds
     outputs: list[str]  # values the step returns, in order
     grads: dict[str, str]  # gradient value -> parameter FQN
@@ -63,6 +115,15 @@ class Capture:
     layer_names: list[str]
     param_children: dict[int, set[str]]  # per layer: children with parameters that ran
     signature: tuple
+    # tensor subclasses (empty for a model of plain tensors)
+    subclass_placeholders: dict[str, tuple[str, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    # placeholder -> (FQN of the subclass parameter or buffer, attribute path of the part)
+    input_parts: dict[str, tuple[int, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    # input placeholder -> (index of the microbatch tensor, attribute path; () for a plain tensor)
+    grad_parts: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    grad_layouts: dict[str, SubclassLayout] = dataclasses.field(default_factory=dict)
+    grad_opaque: dict[tuple[str, tuple[str, ...]], str] = dataclasses.field(default_factory=dict)
+    # (FQN, attribute path) of an opaque gradient leaf -> the placeholder that holds it
 
     @property
     def loss_name(self) -> str:
@@ -70,8 +131,14 @@ class Capture:
 
     @property
     def static_placeholders(self) -> set[str]:
-        """Placeholders shared by every microbatch: parameters and buffers."""
-        return set(self.param_placeholders) | set(self.buffer_placeholders)
+        """Placeholders shared by every microbatch: parameters and buffers (or their parts)."""
+        return set(self.param_placeholders) | set(self.buffer_placeholders) | set(self.subclass_placeholders)
+
+    def bind_inputs(self, microbatch: Sequence[torch.Tensor]) -> dict[str, object]:
+        """The input placeholders' values for one microbatch (subclass inputs flattened)."""
+        if not self.input_parts:
+            return dict(zip(self.input_placeholders, microbatch))
+        return {ph: inner_value(microbatch[i], path) for ph, (i, path) in self.input_parts.items()}
 
 
 def find_layers(model: nn.Module, container: str | None) -> tuple[str, list[nn.Module]] | None:
@@ -229,7 +296,7 @@ def capture(
     gm = joint.graph_module
     gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, flat tuple out
     gm.recompile()
-    roles = _roles(gm, train)
+    roles = _roles(gm, train, _grad_layouts(joint))
     # The mode that traced the graph holds its symbols: ours, or the ambient one under
     # torch.compile (AOTAutograd prefers the tracing context's fake mode to its inputs').
     traced = next((v.fake_mode for ph in gm.graph.find_nodes(op="placeholder")
@@ -249,7 +316,40 @@ def _strip(fqn: str) -> str:
     return fqn[len("model.") :] if fqn.startswith("model.") else fqn
 
 
-def _roles(gm: torch.fx.GraphModule, train: bool) -> dict:
+def _unwrap(desc) -> tuple[object, tuple[str, ...]]:
+    """The descriptor a chain of subclass-attribute descriptors starts from, and the path."""
+    path = []
+    while hasattr(desc, "attr") and hasattr(desc, "base"):  # SubclassGetAttrAOT{Input,Output}
+        path.append(desc.attr)
+        desc = desc.base
+    return desc, tuple(reversed(path))
+
+
+def _layout(meta) -> SubclassLayout:
+    """Our layout from AOTAutograd's SubclassCreationMeta of a traced gradient."""
+    attrs = tuple((attr, _layout(m) if hasattr(m, "attrs") else None) for attr, m in meta.attrs.items())
+    cls = meta.original_subclass_type or type(meta.original_subclass)
+    size, stride = tuple(meta.outer_size), tuple(meta.outer_stride)
+    if not all(isinstance(d, int) for d in (*size, *stride)):
+        raise CaptureError(f"capture: a {cls.__name__} gradient has a symbolic outer shape {list(size)}; "
+                           f"fxoverlap captures tensor-subclass parameters of static shape")
+    return SubclassLayout(cls, attrs, meta.meta, size, stride)
+
+
+def _grad_layouts(joint) -> dict:
+    """Input descriptor -> layout of its gradient, for inputs whose gradient is a tensor subclass."""
+    sub = getattr(joint._aot_graph_capture, "maybe_subclass_meta", None)
+    metas = getattr(sub, "grad_input_metas", None)
+    if not metas:
+        return {}
+    descs = joint._aot_state.flat_args_descs
+    if len(descs) != len(metas):
+        raise CaptureError(f"capture: AOTAutograd names {len(descs)} step inputs but {len(metas)} gradients "
+                           f"(torch {torch.__version__}); fxoverlap cannot tell which subclass gradient is whose")
+    return {d: _layout(m) for d, m in zip(descs, metas) if hasattr(m, "attrs")}
+
+
+def _roles(gm: torch.fx.GraphModule, train: bool, grad_layouts: dict) -> dict:
     """Name every placeholder and graph output by role, from AOTAutograd's descriptors."""
     from torch._functorch._aot_autograd.descriptors import (
         BufferAOTInput,
@@ -259,65 +359,91 @@ def _roles(gm: torch.fx.GraphModule, train: bool) -> dict:
         PlainAOTInput,
         PlainAOTOutput,
         SubclassGetAttrAOTInput,
+        SubclassGetAttrAOTOutput,
         TangentAOTInput,
     )
 
-    params, buffers, user_inputs, by_input = {}, {}, [], {}
+    params, buffers, user_inputs, input_parts = {}, {}, [], {}
+    subclass_phs: dict[str, tuple[str, tuple[str, ...]]] = {}
+    by_part: dict[tuple[object, tuple[str, ...]], str] = {}  # (root descriptor, attribute path) -> placeholder
     tangent_of: dict[str, object] = {}  # tangent placeholder -> descriptor of its output
     for node in gm.graph.find_nodes(op="placeholder"):
         desc = node.meta.get("desc")
-        if isinstance(desc, ParamAOTInput):
-            params[node.name] = _strip(desc.target)
-        elif isinstance(desc, BufferAOTInput):
-            buffers[node.name] = _strip(desc.target)
-        elif isinstance(desc, PlainAOTInput):
-            user_inputs.append(node.name)
-        elif isinstance(desc, TangentAOTInput):
+        root, path = _unwrap(desc) if isinstance(desc, SubclassGetAttrAOTInput) else (desc, ())
+        if isinstance(desc, TangentAOTInput):
             tangent_of[node.name] = desc.output
-        elif isinstance(desc, SubclassGetAttrAOTInput):
-            base = desc.base
-            while isinstance(base, SubclassGetAttrAOTInput):
-                base = base.base
-            what = f"parameter {_strip(base.target)}" if isinstance(base, (ParamAOTInput, BufferAOTInput)) else "an input"
-            raise CaptureError(
-                f"capture: {what} is a tensor subclass (e.g. a DTensor; graph input {node.name} is its "
-                f"{desc.attr}); fxoverlap's stage graphs run on plain tensors: pass plain tensors, or "
-                f"shard expert weights with fxoverlap.expert_parallel"
-            )
+            continue
+        if isinstance(root, (ParamAOTInput, BufferAOTInput)):
+            if path:
+                subclass_phs[node.name] = (_strip(root.target), path)
+            else:
+                (params if isinstance(root, ParamAOTInput) else buffers)[node.name] = _strip(root.target)
+        elif isinstance(root, PlainAOTInput):
+            user_inputs.append(node.name)
+            input_parts[node.name] = (root.idx, path)
         else:
+            what = (f"the part {'.'.join(path)} of a tensor-subclass input with descriptor {root!r}" if path
+                    else f"descriptor {desc!r}")
             raise CaptureError(
-                f"capture: graph input {node.name} has descriptor {desc!r}, which fxoverlap does not "
-                f"handle; please report it with the model that produced it"
+                f"capture: graph input {node.name} has {what}, which fxoverlap does not handle (a tangent "
+                f"that is a tensor subclass, or a symbolic subclass size?); please report it with the model"
             )
-        if desc is not None and not isinstance(desc, TangentAOTInput):
-            by_input[desc] = node.name
+        by_part[(root, path)] = node.name
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     outputs, grads, mutations, output_of = [], {}, {}, {}
+    grad_parts, layouts, grad_opaque = {}, {}, {}
     for i, (val, desc) in enumerate(zip(out_node.args[0], out_node.meta.get("desc") or [])):
         name = val.name if isinstance(val, torch.fx.Node) else None
-        if name is None and not isinstance(desc, PlainAOTOutput):
+        root, path = _unwrap(desc) if isinstance(desc, SubclassGetAttrAOTOutput) else (desc, ())
+        if name is None and not isinstance(root, PlainAOTOutput):
             continue  # no gradient for an input that needs none
-        if isinstance(desc, PlainAOTOutput):
+        if isinstance(root, PlainAOTOutput):
+            if path:
+                raise CaptureError(f"capture: step output {root.idx} is a tensor subclass (its part "
+                                   f"{'.'.join(path)}); fxoverlap hands out plain tensors: return "
+                                   f"a plain tensor (e.g. DTensor.to_local() or full_tensor())")
             if name is None:
                 raise CaptureError(f"capture: step output {desc.idx} is not a tensor the graph computes")
             outputs.append(name)
             output_of[desc] = name
-        elif isinstance(desc, InputMutationAOTOutput):
-            target = by_input.get(desc.mutated_input)
-            if target is None or target in params:
+        elif isinstance(root, InputMutationAOTOutput):
+            target = by_part.get((root.mutated_input, path))
+            if target is None or target in params or isinstance(root.mutated_input, ParamAOTInput):
                 raise CaptureError(
-                    f"capture: the forward mutates {desc.mutated_input!r} in place; fxoverlap applies "
+                    f"capture: the forward mutates {root.mutated_input!r} in place; fxoverlap applies "
                     f"in-place updates of buffers and inputs only (not of parameters)"
                 )
             mutations[name] = target
-        elif isinstance(desc, GradAOTOutput):
-            if isinstance(desc.grad_of, ParamAOTInput):
-                grads[name] = _strip(desc.grad_of.target)
+        elif isinstance(root, GradAOTOutput):
+            if not isinstance(root.grad_of, ParamAOTInput):
+                continue
+            fqn = _strip(root.grad_of.target)
+            if not path:
+                grads[name] = fqn
+                continue
+            layout = grad_layouts.get(root.grad_of)
+            if layout is None:
+                raise CaptureError(f"capture: the gradient of {fqn} leaves the graph flattened, but AOTAutograd "
+                                   f"recorded no subclass layout for it (torch {torch.__version__})")
+            layouts[fqn] = layout
+            if isinstance(val.meta.get("val"), torch.Tensor):
+                grads[name] = fqn
+                grad_parts[name] = path
+            elif name in subclass_phs:  # an opaque leaf (a DTensor's mesh) passed through from the input
+                grad_opaque[(fqn, path)] = name
+            else:
+                raise CaptureError(f"capture: the gradient of {fqn} has a non-tensor part {'.'.join(path)} that "
+                                   f"the graph computes; fxoverlap takes such parts from the parameter's own")
         else:
             raise CaptureError(
                 f"capture: graph output {i} has descriptor {desc!r}; fxoverlap handles the step's "
                 f"outputs, parameter gradients and in-place updates of buffers"
             )
+    for fqn, layout in layouts.items():
+        missing = [p for p in layout.leaves() if (fqn, p) not in grad_opaque and p not in
+                   {grad_parts[v] for v, f in grads.items() if f == fqn and v in grad_parts}]
+        if missing:
+            raise CaptureError(f"capture: the gradient of {fqn} lacks its part(s) {missing} among the graph's outputs")
     tangents = {ph: output_of[d] for ph, d in tangent_of.items() if d in output_of}
     if len(tangents) != len(tangent_of):
         raise CaptureError("capture: a tangent seeds a graph output that is not one of the step's outputs "
@@ -325,4 +451,6 @@ def _roles(gm: torch.fx.GraphModule, train: bool) -> dict:
     if train and not tangents:
         raise CaptureError("capture: the loss does not require grad; no parameter of the model is trainable")
     return dict(param_placeholders=params, buffer_placeholders=buffers, input_placeholders=user_inputs,
-                tangents=tangents, outputs=outputs, grads=grads, mutations=mutations)
+                tangents=tangents, outputs=outputs, grads=grads, mutations=mutations,
+                subclass_placeholders=subclass_phs, input_parts=input_parts,
+                grad_parts=grad_parts, grad_layouts=layouts, grad_opaque=grad_opaque)

@@ -1,0 +1,180 @@
+"""torchtitan 0.3.0's own Qwen3-MoE and DeepSeek-V3, tiny, and the workers of ``test_torchtitan.py``.
+
+The models are torchtitan's classes built by torchtitan's own layer builders, with
+small sizes. What differs from torchtitan's shipped configs, and why:
+
+- attention is ``ScaledDotProductAttention`` (FlexAttention, the shipped default,
+  has no CPU backward);
+- sharding configs are set with the model's ``set_*_sharding_config`` (what its
+  ``Config.update_from_config`` calls; that method imports torchtitan's trainer,
+  which needs torchdata, datasets and more that the models themselves do not);
+- torchtitan's ``ParallelDims`` builds its mesh for a CUDA device type when no
+  accelerator is found; the 2-rank worker points it at ``"cpu"``
+  (``torchtitan.distributed.parallel_dims.device_type``), as a test-side patch.
+
+Expert parallelism is torchtitan's: ``model.parallelize(ParallelDims(ep=2,
+spmd_backend="partial_dtensor"))`` makes the expert weights ``DTensor``s
+(``Shard(0)``) and routes tokens with its ``AllToAllTokenDispatcher``. Spawned ranks
+import this module by name.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxoverlap
+
+VOCAB = 64
+_INIT = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+_EXPERTS_INIT = {k: partial(nn.init.normal_, std=0.02) for k in ("w1_EFD", "w2_EDF", "w3_EFD")}
+_NORM_INIT = {"weight": nn.init.ones_}
+
+
+def _sdpa(layers: list) -> list:
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return layers
+
+
+def qwen3_moe_config(n_layers: int = 2, dim: int = 32, experts: int = 4, top_k: int = 2):
+    """Qwen3-MoE (GQA with QK norm, softmax top-k router with route norm, no shared expert)."""
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
+    layers = qwen3._build_qwen3_moe_layers(
+        n_layers=n_layers, dim=dim, n_heads=4, n_kv_heads=2, head_dim=8, moe_hidden_dim=16,
+        num_experts=experts, top_k=top_k, attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e6))
+    return qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_INIT),
+        layers=_sdpa(layers))
+
+
+def deepseek_v3_config(n_layers: int = 3, dim: int = 32, experts: int = 4, top_k: int = 2):
+    """DeepSeek-V3 (MLA, a dense first layer, then MoE layers with a shared expert)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
+
+    layers = build_mla_moe_layers(
+        n_layers=n_layers, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=0, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, mscale=0.70, dense_hidden_dim=64,
+        moe_hidden_dim=16, num_experts=experts, num_shared_experts=1, router_top_k=top_k,
+        router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None, linear_init=_INIT, norm_init=_NORM_INIT,
+        depth_init=lambda layer_id: _INIT, depth_experts_init=lambda layer_id: _EXPERTS_INIT,
+        rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0, scaling="yarn", rope_factor=40.0,
+                                beta_fast=32.0, beta_slow=1.0, original_seq_len=32))
+    return DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=dim,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_INIT),
+        layers=_sdpa(layers))
+
+
+CONFIGS = {"qwen3_moe": qwen3_moe_config, "deepseek_v3": deepseek_v3_config}
+
+
+def build(family: str, ep: int = 1, seed: int = 0) -> nn.Module:
+    """A torchtitan model in training mode, initialised from ``seed``; with ``ep > 1`` (every
+    rank of the default group in one EP group) parallelized by torchtitan itself."""
+    cfg = CONFIGS[family]()
+    if ep > 1:
+        import torchtitan.distributed.parallel_dims as parallel_dims
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import utils as titan_dist
+
+        if family == "qwen3_moe":
+            from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config as set_sharding
+        else:
+            from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config as set_sharding
+        set_sharding(cfg, enable_sp=False, enable_ep=True)
+        titan_dist.set_spmd_backend("partial_dtensor")  # what torchtitan's Trainer does from its config
+        parallel_dims.device_type = "cpu"  # torchtitan falls back to "cuda" without an accelerator
+    torch.manual_seed(seed)
+    model = cfg.build()
+    model.init_states()
+    if ep > 1:
+        world = dist.get_world_size()
+        model.parallelize(ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep, world_size=world,
+                                       spmd_backend="partial_dtensor"))
+    return model.train()
+
+
+def next_token_loss(logits, tokens: torch.Tensor) -> torch.Tensor:
+    if isinstance(logits, list):  # DeepSeek-V3's MTPDecoder returns [main logits, *mtp logits]
+        logits = logits[0]
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def batches(rank: int, n: int, shape=(2, 16)) -> list[tuple[torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randint(0, VOCAB, shape, generator=g),) for _ in range(n)]
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def compare(model: nn.Module, eager: nn.Module) -> dict:
+    """Every gradient and buffer of ``model`` against ``eager``'s: bitwise, and of the same kind
+    (for a DTensor: the same mesh and placements)."""
+    ref = dict(eager.named_parameters())
+    grads = {}
+    for name, p in model.named_parameters():
+        g, r = p.grad, ref[name].grad
+        if g is None or r is None:
+            grads[name] = f"missing: fxoverlap {g is None}, eager {r is None}"
+            continue
+        kind = (type(g).__name__, str(getattr(g, "placements", "")), getattr(g, "device_mesh", None) is
+                getattr(r, "device_mesh", None))
+        kind_ref = (type(r).__name__, str(getattr(r, "placements", "")), True)
+        same = kind == kind_ref and g.shape == r.shape and torch.equal(_local(g), _local(r))
+        grads[name] = True if same else f"{kind} vs eager {kind_ref}"
+    ref_buf = dict(eager.named_buffers())
+    buffers = {name: torch.equal(_local(b), _local(ref_buf[name])) for name, b in model.named_buffers()}
+    counted = {name: float(_local(b).sum()) for name, b in model.named_buffers() if "tokens_per_expert" in name}
+    dtensor_grads = sorted(n for n, p in model.named_parameters() if type(p.grad).__name__ == "DTensor")
+    return dict(grads=grads, buffers=buffers, counted=counted, dtensor_grads=dtensor_grads)
+
+
+def comm_placement(engine) -> dict:
+    """Where the all-to-alls are: per stage kind, and any stage outside dispatch/combine that has one."""
+    per_stage = {s.name: sum(o.endswith("all_to_all_single") for o in s.op_list()) for s in engine.stages}
+    kinds = {s.name: str(s.kind) for s in engine.stages}
+    return dict(misplaced={n: c for n, c in per_stage.items() if c and kinds[n] not in ("dispatch", "combine")},
+                comm_stages={n: c for n, c in per_stage.items() if c},
+                stages=[(s.name, str(s.kind), str(s.stream)) for s in engine.stages])
+
+
+def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: bool = False) -> dict:
+    """``engine.forward_backward`` over ``n`` microbatches vs eager ``loss.backward()`` per
+    microbatch, on two copies of the same model built from the same seed."""
+    eager, model = build(family, ep), build(family, ep)
+    mbs = batches(rank, n)
+    ref_losses = []
+    for mb in mbs:
+        loss = next_token_loss(eager(*mb), *mb)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    group = dist.group.WORLD if ep > 1 else None
+    engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(delay_wgrad=delay_wgrad))
+    losses = engine.forward_backward(mbs, loss_fn=next_token_loss)
+    return dict(losses_equal=[torch.equal(a, b) for a, b in zip(losses, ref_losses)], **compare(model, eager),
+                **comm_placement(engine), wgrad_stages=sum(1 for s in engine.stages if s.wgrad_of))
+
+
+def two_ranks(rank: int, world: int, n: int) -> dict:
+    """Both families with torchtitan's EP on every rank; Qwen3 also with wgrad stages."""
+    return {"qwen3_moe": train_vs_eager("qwen3_moe", world, n, rank),
+            "qwen3_moe/delay_wgrad": train_vs_eager("qwen3_moe", world, n, rank, delay_wgrad=True),
+            "deepseek_v3": train_vs_eager("deepseek_v3", world, n, rank)}
