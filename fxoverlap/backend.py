@@ -420,6 +420,10 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # tag's "no layers found" is reported below
         cap = capture(wrapper, plain, scalar_loss=False)
+        if cap.subclass_placeholders or any(path for _, path in cap.input_parts.values()):
+            raise _Unsupported("a graph input is a tensor subclass (a DTensor?); the backend runs plain "
+                               "tensors: use fxoverlap.optimize(model, ep_group), which takes DTensor "
+                               "parameters and inputs")
         cap = dataclasses.replace(
             cap, num_layers=info.num_layers, param_children=info.param_children,
             layer_names=[".".join(info.container + (n,)) for n in info.layer_names],

@@ -99,6 +99,37 @@ def titan(rank: int, world: int, n: int) -> dict:
                 stages=[(s.name, s.stream.value) for s in engine.stages])
 
 
+def titan_dtensor(rank: int, world: int, n: int) -> dict:
+    """The torchtitan-style model with DTensor weights (experts ``Shard(0)``, routers replicated
+    with ``Partial`` gradients) and DTensor token inputs (``Shard(0)`` on the batch)."""
+    from titan_models import TitanTransformer, shard_with_dtensors
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build():
+        torch.manual_seed(0)
+        return shard_with_dtensors(TitanTransformer(dist.group.WORLD), mesh)
+
+    eager, model = build(), build()
+    mbs = [(DTensor.from_local(t, mesh, [Shard(0)], run_check=False), y) for t, y in make_batches(rank, 64, n)]
+    ref_losses = eager_steps(eager, mbs)
+    engine = fxoverlap.optimize(model, dist.group.WORLD)
+    losses = engine.forward_backward(mbs)
+    cap = engine.plan(mbs).capture
+    ref = dict(eager.named_parameters())
+    grads = {}
+    for name, p in model.named_parameters():
+        g, r = p.grad, ref[name].grad
+        same_kind = type(g) is type(r) and getattr(g, "placements", None) == getattr(r, "placements", None)
+        grads[name] = (type(g).__name__, str(getattr(g, "placements", "")),
+                       same_kind and torch.equal(getattr(g, "_local_tensor", g), getattr(r, "_local_tensor", r)))
+    return dict(losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), grads=grads,
+                subclass_parts=sorted({(fqn, ".".join(path)) for fqn, path in cap.subclass_placeholders.values()}),
+                input_parts=sorted({".".join(path) for _, path in cap.input_parts.values()}))
+
+
 def forward_only(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     cfg = MoEConfig.tiny(shared_expert_dim=32)

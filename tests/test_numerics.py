@@ -91,6 +91,21 @@ def test_torchtitan_style_model():
         assert kinds["fwd_l0_experts"] == "comp" and kinds["fwd_l1_post"] == "comp"
 
 
+def test_dtensor_parameters_and_inputs():
+    """DTensor expert weights (Shard(0)), replicated routers whose gradients are Partial, DTensor
+    inputs: the stage graphs run on the local tensors; p.grad is what eager leaves, bitwise."""
+    for r in _run("titan_dtensor", 3):
+        assert r["losses_equal"], r
+        assert all(same for _, _, same in r["grads"].values()), r["grads"]
+        experts = {k: v for k, v in r["grads"].items() if k.endswith(("w_in", "w_out"))}
+        gates = {k: v for k, v in r["grads"].items() if k.endswith("gate.weight")}
+        assert len(experts) == 4 and all(v[:2] == ("DTensor", "(Shard(dim=0),)") for v in experts.values()), r
+        assert len(gates) == 2 and all(v[:2] == ("DTensor", "(Partial(sum),)") for v in gates.values()), r
+        assert r["grads"]["output.weight"][0] == "Tensor"
+        assert ("layers.0.moe.w_in", "_local_tensor") in r["subclass_parts"], r
+        assert "_local_tensor" in r["input_parts"] and "" in r["input_parts"], r
+
+
 def test_forward_only_call():
     for r in _run("forward_only"):
         assert r["logits_equal"] and r["loss_equal"], r

@@ -3,6 +3,11 @@
 Expert parallelism with ``all_to_all_single_autograd`` over equal splits (each
 rank sends ``capacity`` token slots to every expert), experts as a batched
 matmul. Used to check that fxoverlap recognises EP it did not write.
+
+:func:`shard_with_dtensors` turns the weights into DTensors the way torchtitan's EP
+leaves them (expert weights ``Shard(0)`` on an EP mesh, read with ``to_local()``),
+plus a replicated router read with ``to_local(grad_placements=[Partial()])``, whose
+eager gradient is a ``Partial`` DTensor: a placement that differs from the parameter's.
 """
 
 from __future__ import annotations
@@ -12,6 +17,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+
+def _local(w: torch.Tensor, grad_partial: bool = False) -> torch.Tensor:
+    """A DTensor's local shard (as torchtitan's GroupedExperts reads its weights); ``w`` otherwise."""
+    if not isinstance(w, DTensor):
+        return w
+    return w.to_local(grad_placements=[Partial()] if grad_partial else None)
 
 
 class TitanMoE(nn.Module):
@@ -28,7 +41,7 @@ class TitanMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         tokens = x.reshape(-1, d)
-        probs = self.gate(tokens).softmax(-1)
+        probs = F.linear(tokens, _local(self.gate.weight, grad_partial=True)).softmax(-1)
         weight, expert = probs.max(-1)  # top-1
         one_hot = F.one_hot(expert, self.n_experts)
         pos = (one_hot.cumsum(0) * one_hot).sum(1) - 1
@@ -40,7 +53,7 @@ class TitanMoE(nn.Module):
         # [ep, n_local, capacity, d] -> [n_local, ep * capacity, d]
         n_local = self.n_experts // self.ep
         h = recv.view(self.ep, n_local, self.capacity, d).transpose(0, 1).reshape(n_local, -1, d)
-        out = torch.bmm(F.gelu(torch.bmm(h, self.w_in)), self.w_out)
+        out = torch.bmm(F.gelu(torch.bmm(h, _local(self.w_in))), _local(self.w_out))
         out = out.view(n_local, self.ep, self.capacity, d).transpose(0, 1).reshape(-1, d)
         back = all_to_all_single_autograd(out, None, None, self.group)
         back = torch.cat([back, back.new_zeros(1, d)])
@@ -71,7 +84,22 @@ class TitanTransformer(nn.Module):
         self.output = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(_local(tokens))
         for layer in self.layers.values():
             h = layer(h)
         return F.cross_entropy(self.output(self.norm(h)).flatten(0, 1), labels.flatten())
+
+
+def shard_with_dtensors(model: TitanTransformer, mesh, seed: int = 7) -> TitanTransformer:
+    """Expert weights become ``Shard(0)`` DTensors of one global tensor (every rank draws it from
+    ``seed`` and keeps its slice), routers replicated DTensors; the rest stays plain
+    (``distribute_module`` would replicate it)."""
+    g = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, TitanMoE):
+            for pname in ("w_in", "w_out"):
+                local = getattr(module, pname)
+                full = torch.randn(module.n_experts, *local.shape[1:], generator=g) * 0.05
+                module.register_parameter(pname, nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
+            module.gate.weight = nn.Parameter(distribute_tensor(module.gate.weight.detach(), mesh, [Replicate()]))
+    return model

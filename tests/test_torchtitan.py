@@ -1,0 +1,72 @@
+"""torchtitan 0.3.0's Qwen3-MoE and DeepSeek-V3 as shipped, in training mode, through ``fxoverlap.optimize``.
+
+The models, their MoE (``tokens_per_expert_E`` counted in every training forward),
+their token dispatcher and, on 2 gloo ranks, their expert parallelism
+(``model.parallelize(ParallelDims(ep=2, spmd_backend="partial_dtensor"))``: expert
+weights are ``Shard(0)`` DTensors) are torchtitan's own; ``titan_real.py`` lists the
+two test-side changes (SDPA attention on CPU; a CPU mesh). Against eager on the same
+model and data (``loss.backward()`` per microbatch), 3 microbatches: losses, every
+gradient (its kind too: DTensor placements and mesh) and every buffer are bitwise
+equal, and on 2 ranks every all-to-all, forward and backward, runs in a dispatch or
+combine stage on the comm stream.
+
+Needs ``pip install --no-deps torchtitan==0.3.0`` (the README's test command does it);
+torchtitan 0.3.0 needs torch >= 2.12, so a machine with an older torch skips these.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchtitan.models.qwen3", reason="torchtitan 0.3.0 is not installed (or needs a newer torch)")
+pytest.importorskip("torchtitan.models.deepseek_v3")
+
+import titan_real  # noqa: E402
+from fxoverlap.testing import run_distributed  # noqa: E402
+
+N = 3
+FAMILIES = ["qwen3_moe", "deepseek_v3"]
+MOE_LAYERS = {"qwen3_moe": [0, 1], "deepseek_v3": [1, 2]}  # DeepSeek-V3's first layer is dense
+TOP_K = 2
+
+
+def _check_exact(r: dict, family: str) -> None:
+    assert r["losses_equal"] == [True] * N, r["losses_equal"]
+    assert r["grads"] and all(v is True for v in r["grads"].values()), {k: v for k, v in r["grads"].items() if v is not True}
+    assert r["buffers"] and all(r["buffers"].values()), r["buffers"]
+    # the load-balance counters moved: every microbatch's tokens, top-k each, once
+    assert r["counted"] == {f"layers.{i}.moe.tokens_per_expert_E": float(N * 32 * TOP_K) for i in MOE_LAYERS[family]}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_rank(family):
+    r = titan_real.train_vs_eager(family, ep=1, n=N)
+    _check_exact(r, family)
+    assert r["comm_stages"] == {} and r["dtensor_grads"] == []
+
+
+_TWO: list = []
+
+
+def _two_ranks() -> list[dict]:
+    if not _TWO:  # one spawn for every 2-rank case
+        _TWO.append(run_distributed(titan_real.two_ranks, N))
+    return _TWO[0]
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe/delay_wgrad", "deepseek_v3"])
+def test_two_ranks_torchtitan_expert_parallel(case):
+    family = case.split("/")[0]
+    for rank_results in _two_ranks():
+        r = rank_results[case]
+        _check_exact(r, family)
+        experts = [f"layers.{i}.moe.routed_experts.inner_experts.{w}" for i in MOE_LAYERS[family]
+                   for w in ("w1_EFD", "w2_EDF", "w3_EFD")]
+        assert r["dtensor_grads"] == sorted(experts), r["dtensor_grads"]
+        assert r["misplaced"] == {}, r["misplaced"]
+        # per MoE layer: forward dispatch (token counts + tokens) and combine, backward both
+        assert r["comm_stages"] == {k: v for i in MOE_LAYERS[family] for k, v in {
+            f"fwd_l{i}_dispatch": 2, f"fwd_l{i}_combine": 1, f"bwd_l{i}_dispatch": 1, f"bwd_l{i}_combine": 1}.items()}
+        comm = {name: stream for name, kind, stream in r["stages"] if kind in ("dispatch", "combine")}
+        assert comm and set(comm.values()) == {"comm"}, comm
+        assert (r["wgrad_stages"] > 0) == case.endswith("delay_wgrad"), r["wgrad_stages"]
