@@ -249,6 +249,23 @@ def _annotate_layers(layers: list[nn.Module], param_children: dict[int, set[str]
             leave()
 
 
+def _reject_fsdp(model: nn.Module) -> None:
+    """FSDP2's hooks gather and free real storage; under the fake tensors of tracing they fail
+    deep inside FSDP (``invalid python storage``). Say so up front."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    wrapped = [name or "the model" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if wrapped:
+        raise CaptureError(
+            f"capture: {wrapped[0]} is wrapped by FSDP2 (fully_shard); fxoverlap traces the train step with "
+            f"fake tensors, which FSDP's parameter gathering cannot run on. Leave data parallelism out of the "
+            f"model (no fully_shard) and reduce the dense gradients over the data-parallel group after "
+            f"forward_backward"
+        )
+
+
 def capture(
     model: nn.Module,
     inputs: Sequence[torch.Tensor],
@@ -274,6 +291,7 @@ def capture(
                 f"microbatch input {i} is a {type(t).__name__}; fxoverlap captures tensor inputs only "
                 f"(bind other arguments into the model or loss_fn)"
             )
+    _reject_fsdp(model)
     found = find_layers(model, layer_container)
     layer_names, layers = (found[0], found[1]) if found else ("", [])
     param_children: dict[int, set[str]] = {}

@@ -45,6 +45,17 @@ def test_one_rank(family):
     assert r["comm_stages"] == {} and r["dtensor_grads"] == []
 
 
+def test_one_rank_activation_checkpointing():
+    """torchtitan's FullAC wrappers are traced through: the same numerics, no recompute in the
+    program (memory as without AC), and each token counted once, where eager's recompute counts
+    it twice (torchtitan's MoE notes this; its bias update only reads the sign)."""
+    r = titan_real.train_vs_eager("qwen3_moe", ep=1, n=N, wrap=titan_real.full_activation_checkpointing)
+    assert r["losses_equal"] == [True] * N and all(v is True for v in r["grads"].values()), r
+    wrapped = [f"layers.{i}._checkpoint_wrapped_module.moe.tokens_per_expert_E" for i in MOE_LAYERS["qwen3_moe"]]
+    assert r["counted"] == {k: float(N * 32 * TOP_K) for k in wrapped}, r["counted"]
+    assert r["eager_counted"] == {k: 2.0 * N * 32 * TOP_K for k in wrapped}, r["eager_counted"]
+
+
 _TWO: list = []
 
 
@@ -70,3 +81,9 @@ def test_two_ranks_torchtitan_expert_parallel(case):
         comm = {name: stream for name, kind, stream in r["stages"] if kind in ("dispatch", "combine")}
         assert comm and set(comm.values()) == {"comm"}, comm
         assert (r["wgrad_stages"] > 0) == case.endswith("delay_wgrad"), r["wgrad_stages"]
+
+
+def test_fsdp_wrapped_model_is_refused():
+    for rank_results in _two_ranks():
+        msg = rank_results["fsdp_error"]
+        assert "layers.0.attention is wrapped by FSDP2 (fully_shard)" in msg and "Leave data parallelism" in msg, msg

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxoverlap
+from fxoverlap.passes.capture import CaptureError
 
 VOCAB = 64
 _INIT = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
@@ -156,10 +157,19 @@ def comm_placement(engine) -> dict:
                 stages=[(s.name, str(s.kind), str(s.stream)) for s in engine.stages])
 
 
-def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: bool = False) -> dict:
+def full_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """torchtitan's own full activation checkpointing (every decoder layer wrapped)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    FullAC.Config().build(dump_folder="").apply(model)
+    return model
+
+
+def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: bool = False,
+                   wrap=lambda model: model) -> dict:
     """``engine.forward_backward`` over ``n`` microbatches vs eager ``loss.backward()`` per
-    microbatch, on two copies of the same model built from the same seed."""
-    eager, model = build(family, ep), build(family, ep)
+    microbatch, on two copies of the same model built from the same seed (then ``wrap``ped)."""
+    eager, model = wrap(build(family, ep)), wrap(build(family, ep))
     mbs = batches(rank, n)
     ref_losses = []
     for mb in mbs:
@@ -170,11 +180,27 @@ def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: boo
     engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(delay_wgrad=delay_wgrad))
     losses = engine.forward_backward(mbs, loss_fn=next_token_loss)
     return dict(losses_equal=[torch.equal(a, b) for a, b in zip(losses, ref_losses)], **compare(model, eager),
-                **comm_placement(engine), wgrad_stages=sum(1 for s in engine.stages if s.wgrad_of))
+                **comm_placement(engine), wgrad_stages=sum(1 for s in engine.stages if s.wgrad_of),
+                eager_counted={k: float(_local(b).sum()) for k, b in eager.named_buffers() if "tokens_per_expert" in k})
+
+
+def fsdp_error(world: int) -> str:
+    """What optimize says about a model with FSDP2-wrapped modules."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build("qwen3_moe", world)
+    fully_shard(model.layers["0"].attention, mesh=init_device_mesh("cpu", (world,)))
+    try:
+        fxoverlap.optimize(model, dist.group.WORLD).forward_backward(batches(0, 1), loss_fn=next_token_loss)
+    except CaptureError as e:
+        return str(e)
+    return "no error"
 
 
 def two_ranks(rank: int, world: int, n: int) -> dict:
     """Both families with torchtitan's EP on every rank; Qwen3 also with wgrad stages."""
     return {"qwen3_moe": train_vs_eager("qwen3_moe", world, n, rank),
             "qwen3_moe/delay_wgrad": train_vs_eager("qwen3_moe", world, n, rank, delay_wgrad=True),
-            "deepseek_v3": train_vs_eager("deepseek_v3", world, n, rank)}
+            "deepseek_v3": train_vs_eager("deepseek_v3", world, n, rank),
+            "fsdp_error": fsdp_error(world)}
