@@ -313,6 +313,7 @@ def capture(
         raise CaptureError(hint) from e
     gm = joint.graph_module
     gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, flat tuple out
+    _distinct_sink_values(gm)
     gm.recompile()
     roles = _roles(gm, train, _grad_layouts(joint))
     # The mode that traced the graph holds its symbols: ours, or the ambient one under
@@ -332,6 +333,37 @@ def capture(
 
 def _strip(fqn: str) -> str:
     return fqn[len("model.") :] if fqn.startswith("model.") else fqn
+
+
+def _distinct_sink_values(gm: torch.fx.GraphModule) -> None:
+    """Give every tensor the step hands out a node of its own that the graph computes.
+
+    AOTAutograd may return one node for two entries (the gradients of ``a`` and ``b`` in
+    ``loss = f(x) + a + b`` are both the tangent) or return a placeholder as it is (that
+    tangent, or an input returned unchanged). Values are named by node, and only stage
+    outputs reach a sink, so each such entry gets a clone, as eager's AccumulateGrad
+    gives each parameter a gradient tensor of its own.
+    """
+    from torch._functorch._aot_autograd.descriptors import GradAOTOutput
+
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    vals, descs = list(out.args[0]), out.meta.get("desc") or []
+    seen: set[torch.fx.Node] = set()
+    for i, v in enumerate(vals):
+        if not isinstance(v, torch.fx.Node) or not isinstance(v.meta.get("val"), torch.Tensor):
+            continue  # None, or an opaque part (a DTensor's mesh) passed through
+        if v.op == "placeholder" or v in seen:
+            with gm.graph.inserting_before(out):
+                c = gm.graph.call_function(torch.ops.aten.clone.default, (v,))
+            c.meta["val"] = v.meta["val"]
+            root = _unwrap(descs[i])[0] if i < len(descs) else None
+            c.meta["partitioner_tag"] = "is_backward" if isinstance(root, GradAOTOutput) else "is_forward"
+            for key in ("custom", "seq_nr"):
+                if key in v.meta:
+                    c.meta[key] = v.meta[key]
+            vals[i] = c
+        seen.add(v)
+    out.args = (tuple(vals),)
 
 
 def _unwrap(desc) -> tuple[object, tuple[str, ...]]:
@@ -391,6 +423,10 @@ def _roles(gm: torch.fx.GraphModule, train: bool, grad_layouts: dict) -> dict:
         if isinstance(desc, TangentAOTInput):
             tangent_of[node.name] = desc.output
             continue
+        if isinstance(root, TangentAOTInput):
+            raise CaptureError(f"capture: a differentiable output of the step is a tensor subclass (its "
+                               f"gradient's part {'.'.join(path)} is graph input {node.name}); fxoverlap hands "
+                               f"out plain tensors: return a plain tensor (e.g. DTensor.to_local() or full_tensor())")
         if isinstance(root, (ParamAOTInput, BufferAOTInput)):
             if path:
                 subclass_phs[node.name] = (_strip(root.target), path)

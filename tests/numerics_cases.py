@@ -104,7 +104,9 @@ def titan_dtensor(rank: int, world: int, n: int) -> dict:
     with ``Partial`` gradients) and DTensor token inputs (``Shard(0)`` on the batch)."""
     from titan_models import TitanTransformer, shard_with_dtensors
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from fxoverlap.passes.capture import CaptureError
 
     mesh = init_device_mesh("cpu", (world,))
 
@@ -125,8 +127,14 @@ def titan_dtensor(rank: int, world: int, n: int) -> dict:
         same_kind = type(g) is type(r) and getattr(g, "placements", None) == getattr(r, "placements", None)
         grads[name] = (type(g).__name__, str(getattr(g, "placements", "")),
                        same_kind and torch.equal(getattr(g, "_local_tensor", g), getattr(r, "_local_tensor", r)))
+    try:  # a DTensor loss: the step must hand out plain tensors
+        fxoverlap.optimize(model, dist.group.WORLD).forward_backward(
+            mbs[:1], loss_fn=lambda loss, *_: DTensor.from_local(loss, mesh, [Partial()]))
+        subclass_loss_error = "no error"
+    except CaptureError as e:
+        subclass_loss_error = str(e)
     return dict(losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), grads=grads,
-                subclass_parts=sorted({(fqn, ".".join(path)) for fqn, path in cap.subclass_placeholders.values()}),
+                subclass_loss_error=subclass_loss_error, subclass_parts=sorted({(fqn, ".".join(path)) for fqn, path in cap.subclass_placeholders.values()}),
                 input_parts=sorted({".".join(path) for _, path in cap.input_parts.values()}))
 
 

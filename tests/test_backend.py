@@ -231,6 +231,21 @@ def test_logits_and_buffer_mutations():
     assert fxb.last_compiled().capture.mutations  # the updates went through the staged program
 
 
+def test_gradients_that_are_the_tangent():
+    """A graph whose input gradients are its tangent, passed through (``a + b``, as a graph
+    break between two layers leaves a residual add): each input gets it."""
+    torch._dynamo.reset()
+    fxb.reset()
+    a, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    compiled = torch.compile(lambda x, y: x + y, backend="fxoverlap")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxb.FallbackWarning)
+        out = compiled(a, b)
+    (out * torch.arange(4.0)).sum().backward()
+    assert torch.equal(a.grad, torch.arange(4.0)) and torch.equal(b.grad, torch.arange(4.0))
+    assert fxb.last_compiled() is not None
+
+
 def test_no_grad_runs_plain_graph():
     cfg = MoEConfig.tiny(n_layers=1)
     torch.manual_seed(0)

@@ -104,6 +104,7 @@ def test_dtensor_parameters_and_inputs():
         assert r["grads"]["output.weight"][0] == "Tensor"
         assert ("layers.0.moe.w_in", "_local_tensor") in r["subclass_parts"], r
         assert "_local_tensor" in r["input_parts"] and "" in r["input_parts"], r
+        assert "a differentiable output of the step is a tensor subclass" in r["subclass_loss_error"], r
 
 
 def test_forward_only_call():

@@ -1,4 +1,10 @@
-"""Buffers the forward updates in place, through ``fxoverlap.optimize`` (one rank, CPU fp32).
+"""What a step hands out besides the loss, through ``fxoverlap.optimize`` (one rank, CPU fp32).
+
+Gradients AOTAutograd returns as one node for two parameters, or as the tangent
+itself (``loss = f(x) + a + b``: both gradients are the tangent): each parameter
+gets its own, as eager's AccumulateGrad gives.
+
+Buffers the forward updates in place.
 
 The model keeps two kinds of statistics in every training forward: per-expert token
 counts added under ``no_grad`` (as torchtitan's MoE updates ``tokens_per_expert_E``)
@@ -114,3 +120,30 @@ def test_mutate_follows_the_stage_that_computes_it():
             last = max(produced_at[(mb, v)] for v in node.args[1:])
             between = list(plan.program.graph.nodes)[last + 1:i]
             assert all(n.op == "call_function" and n.target in program_ops.MARKERS for n in between), between
+
+
+class _Offsets(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.model = MoETransformer(cfg, None)
+        self.a = nn.Parameter(torch.zeros(()))
+        self.b = nn.Parameter(torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens, labels) + self.a + self.b
+
+
+def test_gradient_that_is_the_tangent_for_two_parameters():
+    cfg = MoEConfig.tiny(n_layers=1)
+    torch.manual_seed(0)
+    eager = _Offsets(cfg)
+    torch.manual_seed(0)
+    model = _Offsets(cfg)
+    mbs = _batches(3, cfg.vocab_size)
+    for mb in mbs:
+        eager(*mb).backward()
+    engine = fxoverlap.optimize(model, None)
+    engine.forward_backward(mbs)
+    assert eager.a.grad == 3 and eager.b.grad == 3
+    assert grad_diff(model, {k: p.grad for k, p in eager.named_parameters()})[2]
+    assert model.a.grad is not model.b.grad  # each its own tensor, as eager's
