@@ -25,6 +25,11 @@ value), named in ``Capture.subclass_placeholders`` / ``input_parts``, and return
 the inner values of their gradients (``grad_parts``), which the runtime wraps
 back into the subclass the traced backward produced (``grad_layouts``: for a
 DTensor its mesh and placements, as eager's gradient has them).
+
+Guarantees: every tensor the step hands out (output, gradient, new buffer value)
+is a node of its own that the graph computes: where AOTAutograd returns one node
+for two entries or a placeholder as it is (a gradient that is the tangent), a
+clone stands in, so each role names a distinct value that some stage produces.
 """
 
 from __future__ import annotations

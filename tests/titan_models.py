@@ -46,7 +46,7 @@ class TitanMoE(nn.Module):
         one_hot = F.one_hot(expert, self.n_experts)
         pos = (one_hot.cumsum(0) * one_hot).sum(1) - 1
         slot = torch.where(pos < self.capacity, expert * self.capacity + pos, self.n_experts * self.capacity)
-        buf = torch.zeros(self.n_experts * self.capacity + 1, d, dtype=x.dtype)
+        buf = torch.zeros(self.n_experts * self.capacity + 1, d, dtype=x.dtype, device=x.device)
         buf = buf.index_put((slot,), tokens)
         send = buf[:-1]
         recv = all_to_all_single_autograd(send, None, None, self.group)
@@ -99,7 +99,7 @@ def shard_with_dtensors(model: TitanTransformer, mesh, seed: int = 7) -> TitanTr
         if isinstance(module, TitanMoE):
             for pname in ("w_in", "w_out"):
                 local = getattr(module, pname)
-                full = torch.randn(module.n_experts, *local.shape[1:], generator=g) * 0.05
+                full = torch.randn(module.n_experts, *local.shape[1:], generator=g).to(local.device) * 0.05
                 module.register_parameter(pname, nn.Parameter(distribute_tensor(full, mesh, [Shard(0)])))
             module.gate.weight = nn.Parameter(distribute_tensor(module.gate.weight.detach(), mesh, [Replicate()]))
     return model
