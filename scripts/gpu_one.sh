@@ -4,6 +4,7 @@
 #
 #     PARTS="peer small checks" ROUTINGS="dropless capacity dedup" OUT=$OUT bash scripts/gpu_one.sh
 #
+# smoke:  a tiny shape through every mode (stops the script if fxoverlap or the backend fails).
 # peer:   the Megatron peer's shape on one rank; per routing one process runs the modes
 #         eager, compile (torch.compile(model)), backend (torch.compile(..., backend="fxoverlap"))
 #         and fxoverlap (optimize; Inductor stages by default on CUDA), each timed after warm-up.
@@ -47,6 +48,11 @@ bench() {  # name, timeout, bench args...
 }
 for part in $PARTS; do
   case $part in
+    smoke)  # a tiny shape through every mode: stop here (rc 2) if it fails
+      bench smoke 240 --tiny --modes eager,compile,backend,fxoverlap --iters 2 --warmup 1 --routing dropless
+      grep -q "^fxoverlap " "$OUT/smoke.log" || { say "smoke failed: stopping"; exit 2; }
+      grep -q "falling back\|FallbackWarning\|running this graph as plain" "$OUT/smoke.log" && \
+        { grep -m3 "running this graph as plain" "$OUT/smoke.log" | cut -c1-400 | tee -a "$LOG"; say "backend fell back: stopping"; exit 2; } ;;
     peer)
       first=""
       for r in $ROUTINGS; do
