@@ -25,6 +25,7 @@ ROUTINGS=${ROUTINGS:-"dropless capacity dedup"}
 SMALL_ROUTINGS=${SMALL_ROUTINGS:-"capacity dropless"}
 OUT=${OUT:-bench_out/gpu_one}
 WARM=${WARM:-1}
+MODES=${MODES:-eager,compile,backend,fxoverlap}
 ITERS=${ITERS:-5}
 WARMUP=${WARMUP:-2}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
@@ -49,14 +50,16 @@ bench() {  # name, timeout, bench args...
 for part in $PARTS; do
   case $part in
     smoke)  # a tiny shape through every mode: stop here (rc 2) if it fails
-      bench smoke 240 --tiny --modes eager,compile,backend,fxoverlap --iters 2 --warmup 1 --routing dropless
+      bench smoke 240 --tiny --modes eager,backend,fxoverlap --iters 1 --warmup 1 --routing dropless
       grep -q "^fxoverlap " "$OUT/smoke.log" || { say "smoke failed: stopping"; exit 2; }
       grep -q "falling back\|FallbackWarning\|running this graph as plain" "$OUT/smoke.log" && \
         { grep -m3 "running this graph as plain" "$OUT/smoke.log" | cut -c1-400 | tee -a "$LOG"; say "backend fell back: stopping"; exit 2; } ;;
     peer)
       first=""
       for r in $ROUTINGS; do
-        bench "peer_$r" "$STEP_TIMEOUT" --routing "$r" --modes eager,compile,backend,fxoverlap
+        # the first routing runs every mode; later ones MODES (default: every mode)
+        modes=$MODES; [ -z "$first" ] && modes=eager,compile,backend,fxoverlap
+        bench "peer_$r" "$STEP_TIMEOUT" --routing "$r" --modes "$modes"
         [ -z "$first" ] && first=$r
       done
       if [ "$WARM" = 1 ] && [ -n "$first" ]; then
