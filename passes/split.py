@@ -160,6 +160,7 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
                     wset = set(w)
                     groups[t] = [n for n in nodes if n not in wset]
                     groups[t.with_part(Part.WGRAD)] = w
+    _keep_results_with_their_op(groups)
     stages = []
     for t in sorted(groups, key=lambda k: k.sort_key(num_layers)):
         nodes = groups[t]
@@ -177,6 +178,32 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
         ))
     _check_order(stages)
     return stages
+
+
+def _keep_results_with_their_op(groups: dict[Tag, list[torch.fx.Node]]) -> None:
+    """Move each ``getitem`` of a multi-output op into the op's stage: a stage hands out
+    tensors, never the tuple of an op (Inductor and CUDA graphs take flat outputs). A
+    getitem computes nothing, and its new stage runs no later than its old one."""
+    group_of = {n: t for t, nodes in groups.items() for n in nodes}
+    moved: dict[Tag, set[torch.fx.Node]] = {}
+    for t, nodes in groups.items():
+        for n in nodes:
+            if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
+                src = group_of.get(n.args[0])
+                if src is not None and src != t:
+                    moved.setdefault(t, set()).add(n)
+                    group_of[n] = src
+    if not moved:
+        return
+    for t, nodes in moved.items():
+        groups[t] = [n for n in groups[t] if n not in nodes]
+    order = {n: i for i, n in enumerate(next(iter(groups.values()))[0].graph.nodes)}
+    for n in set().union(*moved.values()):
+        groups[group_of[n]].append(n)
+    for t in list(groups):
+        groups[t].sort(key=order.get)
+        if not groups[t]:
+            del groups[t]
 
 
 def _check_order(stages: list[Stage]) -> None:
