@@ -33,6 +33,16 @@ class OverlapConfig:
             (``engine.memory_trace``); for tests and debugging.
         warn_on_fallback: warn when a model falls back to a single stage per
             direction because no layers or communication ops were found.
+        dispatcher: how fxoverlap's dispatch/combine ops run (``passes/dispatcher.py``):
+            ``"all_to_all"`` (variable split sizes, one host read per dispatch),
+            ``"padded"`` (fixed per-link capacity, equal-split all-to-all, no host
+            read; any device), ``"symm_mem"`` (the same layout, real rows written into
+            the peers' symmetric memory; CUDA, one host), or ``"auto"``: ``symm_mem``
+            where it can run, else ``all_to_all``.
+        dispatch_capacity_factor: static dispatchers only. ``None``: each link can
+            carry every row a rank could send it (never overflows). A factor ``f``:
+            ``f`` times the balanced share (``rows sent / ep``), saving memory; a step
+            that needs more raises ``DispatchOverflow`` with ``p.grad`` as before it.
     """
 
     layer_container: str | None = None
@@ -43,8 +53,18 @@ class OverlapConfig:
     mhc_recompute_group: int | None = None
     record_memory: bool = False
     warn_on_fallback: bool = True
+    dispatcher: str = "auto"
+    dispatch_capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
+        dispatchers = ("auto", "all_to_all", "padded", "symm_mem")
+        if self.dispatcher not in dispatchers:
+            raise ValueError(f"OverlapConfig.dispatcher must be one of {dispatchers}, got {self.dispatcher!r}")
+        if self.dispatch_capacity_factor is not None and not self.dispatch_capacity_factor > 0:
+            raise ValueError(
+                f"OverlapConfig.dispatch_capacity_factor must be > 0 (a multiple of the balanced share of rows "
+                f"per link), or None for the worst-case capacity; got {self.dispatch_capacity_factor}"
+            )
         if self.mhc_recompute_group is not None and self.mhc_recompute_group < 1:
             raise ValueError(
                 f"OverlapConfig.mhc_recompute_group must be >= 1 (or None for no recompute), "

@@ -13,8 +13,10 @@ import torch.nn as nn
 
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
+from fxoverlap.dispatch_ops import overflow_guard  # dispatcher branch: overflow check around a step
 from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.passes.cudagraph import cudagraph
+from fxoverlap.passes.dispatcher import dispatcher  # dispatcher branch: lowers dispatch/combine
 from fxoverlap.passes.free import free
 from fxoverlap.passes.recompute import recompute
 from fxoverlap.passes.schedule import schedule
@@ -76,6 +78,7 @@ class Engine:
         if plan is None:
             log.info("fxoverlap: capturing %s for input signature %s", type(self.model).__name__, key[0])
             cap = capture(self.model, inputs, loss_fn, self.config.layer_container, train=train)
+            dispatcher(cap.graph_module, self.config.dispatcher, self.config.dispatch_capacity_factor)  # dispatcher branch
             gm = tag(cap)
             if train and self.config.mhc_recompute_group is not None:
                 gm = recompute(gm, cap.num_layers, self.config.mhc_recompute_group)
@@ -120,7 +123,8 @@ class Engine:
         prog = self._program(plan, len(mbs))
         self._last = (plan, len(mbs))
         runner = self._runner(plan, prog, record_memory=self.config.record_memory)
-        losses = runner.run(mbs, on_error=self._abort_group)
+        with overflow_guard(plan.capture.graph_module, self.model):  # dispatcher branch
+            losses = runner.run(mbs, on_error=self._abort_group)
         self.memory_trace = runner.memory_trace
         return losses
 
@@ -128,7 +132,8 @@ class Engine:
         """Forward only, through the forward stage graphs; returns the model's output."""
         plan = self._build(inputs, None, train=False)
         prog = self._program(plan, 1)
-        return self._runner(plan, prog).run([inputs], on_error=self._abort_group)[0]
+        with overflow_guard(plan.capture.graph_module, self.model):  # dispatcher branch
+            return self._runner(plan, prog).run([inputs], on_error=self._abort_group)[0]
 
     def _runner(self, plan: Plan, prog: torch.fx.GraphModule, **kw) -> ProgramRunner:
         device = self._device()

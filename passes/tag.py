@@ -20,7 +20,7 @@ needed, to no earlier a stage than its producers, so stages form a DAG in plain
 execution order.
 
 Communication is recognised by op: fxoverlap's ``dispatch``/``combine`` and
-``token_dispatch``/``token_combine``,
+``token_dispatch``/``token_combine`` (and their ``_static`` lowerings, ``FXOVERLAP_COMM_OPS``),
 functional collectives (``all_to_all_single``, as torchtitan writes EP), DeepEP
 ops, or code marked with ``fxoverlap.region("dispatch" | "combine")``. Among
 unmarked all-to-alls, one whose data input depends (other than through a
@@ -46,6 +46,14 @@ from fxoverlap.stage import Direction, StageKind, Tag
 
 TAG_KEY = "fxoverlap_tag"
 
+# fxoverlap's forward comm ops by kind: the generic ones models write and the static ones
+# the dispatcher pass lowers them to (backward ops take their forward op's tag by seq_nr).
+FXOVERLAP_COMM_OPS = {
+    "fxoverlap.dispatch": "dispatch", "fxoverlap.token_dispatch": "dispatch",
+    "fxoverlap.dispatch_static": "dispatch", "fxoverlap.token_dispatch_static": "dispatch",
+    "fxoverlap.combine": "combine", "fxoverlap.token_combine": "combine",
+    "fxoverlap.combine_static": "combine", "fxoverlap.token_combine_static": "combine",
+}
 _A2A_TARGETS = {"_c10d_functional.all_to_all_single", "_c10d_functional_autograd.all_to_all_single"}
 _WAIT_TARGETS = {"_c10d_functional.wait_tensor"}
 _SCALAR_TARGETS = {"aten._local_scalar_dense"}
@@ -80,10 +88,8 @@ def _comm_kind(node: torch.fx.Node) -> str | None:
     if region in ("dispatch", "combine"):
         return region
     name = op_name(node)
-    if name in ("fxoverlap.dispatch", "fxoverlap.token_dispatch"):
-        return "dispatch"
-    if name in ("fxoverlap.combine", "fxoverlap.token_combine"):
-        return "combine"
+    if name in FXOVERLAP_COMM_OPS:
+        return FXOVERLAP_COMM_OPS[name]
     if name.replace(".", "::", 1) in DEEPEP_DISPATCH_OPS:
         return "dispatch"
     if name.replace(".", "::", 1) in DEEPEP_COMBINE_OPS:
