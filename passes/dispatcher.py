@@ -33,8 +33,10 @@ Steps
   2. ``find_sites``: each forward dispatch, the nodes that reuse its layout (linked
      through its counts / slot output) and the link capacity.
   3. ``rewrite_sites``: swap each node for its static op (plus the overflow buffer).
-  4. ``_propagate``: fake-tensor propagation; fold sizes that became constants.
-  5. ``check_row_wise``: refuse reductions over the padded expert rows.
+  4. ``_propagate``: fake-tensor propagation with the capture's fake mode.
+  5. ``check_row_wise``: a second fake run with every capacity one larger finds the
+     values sized by the padded rows; refuse nodes that reduce them away.
+  6. ``_fold_sizes``: sizes that became constants become literals.
 
 Entry point: ``dispatcher(gm, backend="auto", capacity_factor=None) -> GraphModule``.
 """
@@ -72,10 +74,10 @@ _GENERIC = {
 _LAYOUT_ARG = {"dispatch": 3, "combine": 1, "token_dispatch_backward": 4, "token_combine": 2,
                "token_combine_backward": 2}
 _LAYOUT_OUTPUT = {"dispatch": 1, "token_dispatch": 4}
-# Outputs holding padded expert rows (dim 0 = R_max), and ops that may read such rows
-# without keeping that dimension (they stop at the real rows, or are the comm ops).
-_EXPERT_ROWS_OUT = {STATIC_OPS["dispatch"]: (0,), STATIC_OPS["token_dispatch"]: (0, 1)}
-_GROUP_AWARE = {_fx.grouped_mm_wgrad.default, *STATIC_OPS.values(), torch.ops.aten.sym_size.int}
+_STATIC_TARGETS = set(STATIC_OPS.values())
+# Ops that may read values sized by the padded rows without being so sized themselves:
+# the comm ops, grouped_mm's weight gradient (it stops at the real rows), unpacking.
+_GROUP_AWARE = {_fx.grouped_mm_wgrad.default, *_STATIC_TARGETS, operator.getitem}
 
 
 class DispatcherError(RuntimeError):
@@ -167,7 +169,9 @@ def rewrite_sites(gm: torch.fx.GraphModule, sites: list[Site], transport: str, f
                 new = graph.call_function(STATIC_OPS[kind], args, dict(node.kwargs))
             new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta", "unbacked_bindings")}
             node.replace_all_uses_with(new)
+            name = node.name
             graph.erase_node(node)
+            new.name = name  # free again: stage inputs/outputs keep their all_to_all names
             if node is site.dispatch and site in flagged:
                 overflow_sites.append(OverflowSite(site.layer, new.name, site.capacity, site.worst_case, factor))
     if flagged:
@@ -180,11 +184,19 @@ class _Prop(FakeTensorProp):
         return self._mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
 
 
-def _propagate(gm: torch.fx.GraphModule) -> None:
-    """Recompute every ``meta["val"]``; sizes that are now constants become literals."""
+def _fakes(gm: torch.fx.GraphModule) -> tuple[object, list]:
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    mode = _val(placeholders[0]).fake_mode
-    _Prop(gm, mode).propagate_dont_convert_inputs(*[_val(p) for p in placeholders])
+    return _val(placeholders[0]).fake_mode, [_val(p) for p in placeholders]
+
+
+def _propagate(gm: torch.fx.GraphModule) -> None:
+    """Recompute every ``meta["val"]`` with the capture's fake mode."""
+    mode, args = _fakes(gm)
+    _Prop(gm, mode).propagate_dont_convert_inputs(*args)
+
+
+def _fold_sizes(gm: torch.fx.GraphModule) -> None:
+    """Sizes that are now constants become literals (and the size nodes go)."""
     for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int)):
         size = node.meta["val"]
         if isinstance(size, int):
@@ -195,35 +207,54 @@ def _propagate(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _tensors(val) -> list[torch.Tensor]:
+def _shapes(val) -> tuple:
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    return [v for v in vals if isinstance(v, torch.Tensor)]
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in vals)
+
+
+class _Probe(torch.fx.Interpreter):
+    """Runs ``gm`` on fakes with every link capacity one row larger, recording shapes: the
+    values whose shapes change are the ones sized by the padded rows."""
+
+    def __init__(self, gm: torch.fx.GraphModule, mode):
+        super().__init__(gm)
+        self.mode, self.shapes = mode, {}
+
+    def get_attr(self, target, args, kwargs):
+        return self.mode.from_tensor(super().get_attr(target, args, kwargs))
+
+    def call_function(self, target, args, kwargs):
+        if target in _STATIC_TARGETS:
+            i = next(j for j, a in enumerate(target._schema.arguments) if a.name == "capacity")
+            args = (*args[:i], args[i] + 1, *args[i + 1:])
+        return super().call_function(target, args, kwargs)
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        self.shapes[n] = _shapes(out)
+        return out
 
 
 def check_row_wise(gm: torch.fx.GraphModule) -> None:
-    """Raise if a node reduces over the padded rows of an expert input (or its gradient)."""
-    rows: dict[torch.fx.Node, int] = {}  # values with a receive buffer's R_max rows as a dimension
+    """Raise if a node turns a value sized by the padded rows into one that is not (a
+    reduction over rows), unless it is a comm op or ``grouped_mm``'s weight gradient."""
+    mode, args = _fakes(gm)
+    probe = _Probe(gm, mode)
+    with mode:
+        probe.run(*args)
+    sized = {n for n, shapes in probe.shapes.items() if shapes != _shapes(n.meta.get("val"))}
     for node in gm.graph.nodes:
-        if node.target is operator.getitem and node.args[0].target in _EXPERT_ROWS_OUT and node.args[1] in (
-                _EXPERT_ROWS_OUT[node.args[0].target]):
-            rows[node] = _val(node).shape[0]
-        elif node.target is STATIC_OPS["token_combine_backward"]:
-            rows[node] = _val(node).shape[0]
-        elif node.op == "call_function" and node.target not in _GROUP_AWARE:
-            ins = [(p, rows[p]) for p in node.all_input_nodes if p in rows]
-            if not ins:
-                continue
-            (src, r_max), outs = ins[0], _tensors(node.meta.get("val"))
-            if any(r_max in o.shape for o in outs) or all(o.numel() >= _val(src).numel() for o in outs):
-                rows[node] = r_max
-                continue
+        if node.op != "call_function" or node in sized or node.target in _GROUP_AWARE:
+            continue
+        src = next((p for p in node.all_input_nodes if p in sized and isinstance(_val(p), torch.Tensor)), None)
+        if src is not None:
             layer = (node.meta.get("custom") or {}).get(LAYER_KEY)
             raise DispatcherError(
-                f"layer {layer}: node {node.name} ({node.target}) reduces over the {r_max} rows of an expert input "
-                f"({src.name}); the static dispatchers pad that input past its real rows with unspecified values, "
-                f"so a reduction over rows (a bias gradient, a dense Linear's weight gradient) would read them. "
-                f"Give experts their weights through fxoverlap.ops.grouped_mm (its gradient stops at the real rows), "
-                f"or use OverlapConfig(dispatcher='all_to_all')"
+                f"layer {layer}: node {node.name} ({node.target}) reduces over the padded rows of an expert input "
+                f"({src.name}, shape {list(_val(src).shape)}); the static dispatchers pad that input past its real rows "
+                f"with unspecified values, so a reduction over rows (a bias gradient, a dense Linear's weight "
+                f"gradient) would read them. Give experts their weights through fxoverlap.ops.grouped_mm (its "
+                f"gradient stops at the real rows), or use OverlapConfig(dispatcher='all_to_all')"
             )
 
 
@@ -265,5 +296,6 @@ def dispatcher(gm: torch.fx.GraphModule, backend: str = "auto", capacity_factor:
     rewrite_sites(gm, sites, chosen, capacity_factor)
     _propagate(gm)
     check_row_wise(gm)
+    _fold_sizes(gm)
     gm.meta["fxoverlap_dispatcher"] = chosen
     return gm
