@@ -5,7 +5,9 @@
 arguments plus ``capacity`` (rows per rank-to-rank link) and ``transport`` (how rows
 travel: ``"padded"`` or ``"symm_mem"``); shapes follow from them alone, so the fake
 kernels need no unbacked sizes. They have no autograd: they enter graphs that are
-already differentiated (a forward op and its backward are separate nodes).
+already differentiated (a forward op and its backward are separate nodes). The
+dispatches' ``overflow``/``site`` have no defaults: torch 2.11 drops trailing default
+arguments before it bumps a mutated argument's version, and then fails.
 
 A forward dispatch whose capacity is below the worst case also writes the busiest
 link's row count into ``overflow[site]`` (on the device); :func:`check_overflow` reads
@@ -46,14 +48,14 @@ def _ep(group_name: str) -> int:
 @torch.library.custom_op("fxoverlap::dispatch_static", mutates_args=("overflow",))
 def _dispatch_static(
     x: torch.Tensor, send_counts: torch.Tensor, group_name: str, recv_counts: torch.Tensor | None, capacity: int,
-    transport: str, overflow: torch.Tensor | None = None, site: int = 0,
+    transport: str, overflow: torch.Tensor | None, site: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return static_ep.dispatch(x, send_counts, a2a.resolve_group(group_name), recv_counts, capacity,
                               _transport(transport), overflow, site)
 
 
 @_dispatch_static.register_fake
-def _(x, send_counts, group_name, recv_counts, capacity, transport, overflow=None, site=0):
+def _(x, send_counts, group_name, recv_counts, capacity, transport, overflow, site):
     ep = _ep(group_name)
     return x.new_empty(ep * capacity, x.shape[1]), send_counts.new_empty(ep, send_counts.shape[0] // ep)
 
@@ -78,14 +80,14 @@ def _(y, recv_counts, send_counts, group_name, out_rows, capacity, transport):
 @torch.library.custom_op("fxoverlap::token_dispatch_static", mutates_args=("overflow",))
 def _token_dispatch_static(
     x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_experts: int, group_name: str, capacity: int,
-    transport: str, overflow: torch.Tensor | None = None, site: int = 0,
+    transport: str, overflow: torch.Tensor | None, site: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return static_ep.token_dispatch(x, idx, w, n_experts, a2a.resolve_group(group_name), capacity,
                                     _transport(transport), overflow, site)
 
 
 @_token_dispatch_static.register_fake
-def _(x, idx, w, n_experts, group_name, capacity, transport, overflow=None, site=0):
+def _(x, idx, w, n_experts, group_name, capacity, transport, overflow, site):
     ep = _ep(group_name)
     el, (t, k) = n_experts // ep, idx.shape
     pairs = ep * capacity * min(k, el)

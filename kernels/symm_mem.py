@@ -8,9 +8,9 @@ device-side barrier (``barrier`` on the buffer's handle) tells every rank that i
 is complete. Nothing is read on the host and only real rows cross the link (``padded``
 moves ``ep * C`` rows per exchange however few are real). CUDA, within one host.
 
-Buffers: parts of one exchange are packed side by side into one buffer of machine
-words (the widest word that divides every part's row bytes), two buffers per shape
-used in turn. Reuse is safe because every exchange ends with a barrier and the ops
+Buffers: parts of one exchange sit side by side in one byte buffer (each at a 16-byte
+aligned column; the kernel copies each in the widest word that divides its row), two
+buffers per shape used in turn. Reuse is safe because every exchange ends with a barrier and the ops
 copy their landing rows out right after it, on the same stream: a peer can write a
 buffer again only after passing the barrier of the *next* exchange of that shape,
 which this rank reaches only after its copy-out. This needs every rank to issue the
@@ -20,6 +20,7 @@ turn counter does not survive CUDA-graph replay: comm stages stay eager.
 
 from __future__ import annotations
 
+import os
 import socket
 import warnings
 from collections.abc import Sequence
@@ -60,12 +61,14 @@ _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 class _Buffers:
     """Two symmetric landing buffers of one shape, their handles and peer pointer tables."""
 
-    def __init__(self, group: dist.ProcessGroup, rows: int, words: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
         import torch.distributed._symmetric_memory as symm
 
+        # We never use multimem; NVLink multicast objects can take a shared host's GPUs down.
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.bufs, self.handles, self.ptrs = [], [], []
         for _ in range(2):
-            buf = symm.empty(rows, words, dtype=dtype, device=device)
+            buf = symm.empty(rows, cols, dtype=dtype, device=device)
             handle = symm.rendezvous(buf, group)
             peers = [handle.get_buffer(p, buf.shape, dtype).data_ptr() for p in range(group.size())]
             self.bufs.append(buf)
@@ -81,12 +84,9 @@ class _Buffers:
 _pools: dict[tuple, _Buffers] = {}
 
 
-def _word_dtype(byte_widths: Sequence[int]) -> torch.dtype:
-    return next(w for w in _WORDS if all(b % w.itemsize == 0 for b in byte_widths))
-
-
-def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).view(dtype)
+def _word_dtype(nbytes: int) -> torch.dtype:
+    """The widest machine word that divides a row of ``nbytes``: the copy kernel's unit."""
+    return next(w for w in _WORDS if nbytes % w.itemsize == 0)
 
 
 def transport(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], group, capacity: int) -> list[torch.Tensor]:
@@ -95,30 +95,30 @@ def transport(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], group, capacit
     if group is None:  # one rank: the outgoing slots are the landing slots
         return [masked_rows(src, sel) for src, sel in parts]
     ep, me = world_size(group), dist.get_rank(group)
-    byte_widths = [src.shape[1] * src.element_size() for src, _ in parts]
-    word = _word_dtype(byte_widths)
-    widths = [b // word.itemsize for b in byte_widths]
+    # Parts sit side by side in one byte buffer, each at a 16-byte aligned column, so
+    # each can be viewed back as its own dtype in place.
+    spans, stride = [], 0
+    for src, _ in parts:
+        nbytes = src.shape[1] * src.element_size()
+        spans.append((stride, nbytes))
+        stride += -(-nbytes // 16) * 16
     device = parts[0][0].device
-    key = (group_name_of(group), ep * capacity, sum(widths), word, device)
+    key = (group_name_of(group), ep * capacity, stride, device)
     pool = _pools.get(key)
     if pool is None:
-        pool = _pools[key] = _Buffers(group, ep * capacity, sum(widths), word, device)
+        pool = _pools[key] = _Buffers(group, ep * capacity, stride, torch.uint8, device)
     turn = pool.next()
     landing = pool.bufs[turn]
-    off = 0
-    for (src, sel), width in zip(parts, widths):
-        src_words = _words(src, word)
-        block = min(1024, triton.next_power_of_2(max(width, 16)))
+    for (src, sel), (off, nbytes) in zip(parts, spans):
+        word = _word_dtype(nbytes)
+        size = word.itemsize
+        words = src.contiguous().view(torch.uint8).view(word)
+        block = min(1024, triton.next_power_of_2(max(nbytes // size, 16)))
         _push_rows_kernel[(ep * capacity,)](
-            src_words, sel.contiguous(), pool.ptrs[turn], me, capacity, src_words.stride(0), landing.stride(0), off,
-            width, BLOCK=block)
-        off += width
+            words, sel.contiguous(), pool.ptrs[turn], me, capacity, words.stride(0), stride // size, off // size,
+            nbytes // size, BLOCK=block)
     pool.handles[turn].barrier(channel=0)
-    out, off = [], 0
-    for (src, _), width in zip(parts, widths):
-        out.append(landing[:, off:off + width].view(torch.uint8).view(src.dtype))
-        off += width
-    return out
+    return [landing[:, off:off + nbytes].view(src.dtype) for (src, _), (off, nbytes) in zip(parts, spans)]
 
 
 _usable: dict[str, tuple[bool, str]] = {}

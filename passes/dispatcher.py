@@ -163,8 +163,9 @@ def rewrite_sites(gm: torch.fx.GraphModule, sites: list[Site], transport: str, f
         for node in (site.dispatch, *site.reusers):
             kind = _GENERIC[node.target]
             args = (*(node.args[:4] if kind == "dispatch" else node.args), site.capacity, transport)
-            if node is site.dispatch and site in flagged:
-                args = (*args, flags, flagged.index(site))
+            if kind in ("dispatch", "token_dispatch"):  # the overflow buffer (or None) and its site
+                args = (*args, flags, flagged.index(site)) if node is site.dispatch and site in flagged else (
+                    *args, None, 0)
             with graph.inserting_before(node):
                 new = graph.call_function(STATIC_OPS[kind], args, dict(node.kwargs))
             new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta", "unbacked_bindings")}
@@ -189,15 +190,24 @@ def _fakes(gm: torch.fx.GraphModule) -> tuple[object, list]:
     return _val(placeholders[0]).fake_mode, [_val(p) for p in placeholders]
 
 
+def _sizes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int))
+
+
 def _propagate(gm: torch.fx.GraphModule) -> None:
     """Recompute every ``meta["val"]`` with the capture's fake mode."""
+    for node in _sizes(gm):  # e.g. the backward dispatch's old row count, now unused
+        if not node.users:
+            gm.graph.erase_node(node)
     mode, args = _fakes(gm)
     _Prop(gm, mode).propagate_dont_convert_inputs(*args)
+    for node in _sizes(gm):  # torch 2.11's FakeTensorProp keeps a size's old value when it becomes an int
+        node.meta["val"] = _val(node.args[0]).shape[node.args[1]]
 
 
 def _fold_sizes(gm: torch.fx.GraphModule) -> None:
     """Sizes that are now constants become literals (and the size nodes go)."""
-    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int)):
+    for node in _sizes(gm):
         size = node.meta["val"]
         if isinstance(size, int):
             for user in list(node.users):

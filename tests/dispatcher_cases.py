@@ -105,8 +105,9 @@ def backends_match_eager(rank: int, world: int, routings: list[str], backends: l
 
 
 def overflow_and_edges(rank: int, world: int) -> dict:
-    """A capacity factor that fits (one read, bitwise), one that overflows (DispatchOverflow,
-    grads untouched), forward-only, and the static ops on skewed routing against the generic ones."""
+    """A capacity factor that fits (one read, bitwise; with delayed weight gradients), one that
+    overflows (DispatchOverflow, grads untouched), forward-only, and the static ops on skewed
+    routing against the generic ones."""
     out = {}
     torch.manual_seed(0)
     cfg = MoEConfig.tiny(shared_expert_dim=32)
@@ -114,12 +115,13 @@ def overflow_and_edges(rank: int, world: int) -> dict:
     mbs = make_batches(rank, cfg.vocab_size, 2)
     ref_losses, ref = eager_steps(model, mbs), take_grads(model)
     roomy = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(
-        dispatcher="padded", dispatch_capacity_factor=1.5))
+        dispatcher="padded", dispatch_capacity_factor=1.5, delay_wgrad=True))
     roomy.forward_backward(mbs)
     model.zero_grad(set_to_none=True)
     with count_host_reads() as reads:
         losses = roomy.forward_backward(mbs)
     out["roomy"] = dict(bitwise=grad_diff(model, ref)[2], python_reads=dict(reads["python"]),
+                        wgrad_stages=sum(1 for s in roomy.stages if s.wgrad_of),
                         aten_syncs=dict(reads["aten"]),
                         losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)))
 
@@ -156,17 +158,15 @@ def _skewed_ops(rank: int, world: int) -> dict:
     x = torch.randn(int(counts.sum()), d, generator=g)
     group, name = dist.group.WORLD, dist.group.WORLD.group_name
     y, recv = ops.dispatch(x, counts, group)
-    cap = x.shape[0]
-    cap = max(cap, 1)
-    caps = torch.tensor([cap])
-    dist.all_reduce(caps, op=dist.ReduceOp.MAX)  # every rank the same capacity (the SPMD contract)
+    caps = torch.tensor([max(x.shape[0], 1)])
+    dist.all_reduce(caps, op=dist.ReduceOp.MAX)  # one capacity on every rank (the SPMD contract), the worst case
     cap = int(caps)
-    ys, recv_s = torch.ops.fxoverlap.dispatch_static(x, counts, name, None, cap, "padded")
+    ys, recv_s = torch.ops.fxoverlap.dispatch_static(x, counts, name, None, cap, "padded", None, 0)
     real = y.shape[0]
     back = ops.combine(y * 3, recv, counts, group, x.shape[0])
     back_s = torch.ops.fxoverlap.combine_static(ys * 3, recv_s, counts, name, x.shape[0], cap, "padded")
     grad_y, _ = torch.ops.fxoverlap.dispatch(back, counts, name, recv, real)
-    grad_ys, _ = torch.ops.fxoverlap.dispatch_static(back_s, counts, name, recv_s, cap, "padded")
+    grad_ys, _ = torch.ops.fxoverlap.dispatch_static(back_s, counts, name, recv_s, cap, "padded", None, 0)
     return dict(
         dispatch=torch.equal(ys[:real], y), padding_zero=bool((ys[real:] == 0).all()), counts=torch.equal(recv_s, recv),
         combine=torch.equal(back_s, back), backward_dispatch=torch.equal(grad_ys[:real], grad_y), rows=ys.shape[0],
