@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -153,7 +154,7 @@ class OverflowSite:
     node: str
     capacity: int  # rows per link
     worst_case: int  # rows per link that can never overflow
-    factor: float  # OverlapConfig.dispatch_capacity_factor
+    share: float  # the balanced share of rows per link, which dispatch_capacity_factor multiplies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +172,9 @@ def check_overflow(flags: torch.Tensor, sites: Sequence[OverflowSite], group: di
     One host read of ``flags`` (and, with a group, one all-reduce of them first, so that
     every rank of the group raises together instead of some entering the next step).
     """
+    if flags.is_cuda:
+        torch.cuda.synchronize(flags.device)  # the comm stream wrote the flags
     needed = flags.clone()
-    if needed.is_cuda:
-        torch.cuda.synchronize(needed.device)  # the comm stream wrote the flags
     if group is not None:
         dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group)
     over = [(s, n) for s, n in zip(sites, needed.tolist()) if n > s.capacity]
@@ -182,10 +183,10 @@ def check_overflow(flags: torch.Tensor, sites: Sequence[OverflowSite], group: di
             f"layer {s.layer} ({s.node}): {n} rows on one rank-to-rank link, capacity {s.capacity} "
             f"(worst case {s.worst_case})" for s, n in over
         ]
-        factor = max(s.factor * n / s.capacity for s, n in over)
+        factor = math.ceil(100 * max(n / s.share for s, n in over)) / 100
         raise DispatchOverflow(
             "fxoverlap dispatch overflow: " + "; ".join(lines) + f". The step's gradients were discarded. Raise "
-            f"OverlapConfig.dispatch_capacity_factor to at least {factor:.3g}, or leave it None for the worst-case "
+            f"OverlapConfig.dispatch_capacity_factor to at least {factor:g}, or leave it None for the worst-case "
             f"capacity (never overflows)"
         )
 

@@ -42,7 +42,8 @@ from fxoverlap.kernels.a2a import world_size
 from fxoverlap.kernels.dedup import _sum_per_token, weight_grads
 from fxoverlap.kernels.row_sum import sum_at
 
-Transport = Callable[[Sequence[tuple[torch.Tensor, torch.Tensor]], "dist.ProcessGroup | None", int], list[torch.Tensor]]
+# transport(parts: [(src, sel)], group, capacity) -> landing buffers, one per part
+Transport = Callable[[Sequence[tuple[torch.Tensor, torch.Tensor]], dist.ProcessGroup | None, int], list[torch.Tensor]]
 
 
 def masked_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,7 @@ class Site:
     group_name: str
     capacity: int  # rows per rank-to-rank link
     worst_case: int  # a link never carries more
+    share: float  # rows per link if routing were balanced (what a capacity factor multiplies)
 
 
 def _val(node) -> torch.Tensor:
@@ -104,19 +105,19 @@ def _getitem(node: torch.fx.Node, i: int) -> torch.fx.Node | None:
     return next((u for u in node.users if u.target is operator.getitem and u.args[1] == i), None)
 
 
-def _capacity(node: torch.fx.Node, kind: str, ep: int, factor: float | None) -> tuple[int, int]:
-    """(capacity, worst case) in rows per link for a forward dispatch node."""
+def _capacity(node: torch.fx.Node, kind: str, ep: int, factor: float | None) -> tuple[int, int, float]:
+    """(capacity, worst case, balanced share) in rows per link for a forward dispatch node."""
     if kind == "token_dispatch":
         t, k = _val(node.args[1]).shape
         worst, share = t, t * min(k, ep) / ep  # a token goes to a rank at most once
     else:
         n, out_rows = _val(node.args[0]).shape[0], node.args[4]
         if out_rows >= 0:  # static_rows: every rank sends the same rows to every expert
-            return n // ep, n // ep
+            return n // ep, n // ep, n / ep
         worst, share = n, n / ep
     if factor is None:
-        return worst, worst
-    return min(worst, max(1, math.ceil(factor * share))), worst
+        return worst, worst, share
+    return min(worst, max(1, math.ceil(factor * share))), worst, share
 
 
 def find_sites(gm: torch.fx.GraphModule, factor: float | None) -> list[Site]:
@@ -133,9 +134,8 @@ def find_sites(gm: torch.fx.GraphModule, factor: float | None) -> list[Site]:
         )
         group_name = node.args[4 if kind == "token_dispatch" else 2]
         ep = a2a.world_size(a2a.resolve_group(group_name))
-        capacity, worst = _capacity(node, kind, ep, factor)
         layer = (node.meta.get("custom") or {}).get(LAYER_KEY)
-        sites.append(Site(layer, node, reusers, group_name, capacity, worst))
+        sites.append(Site(layer, node, reusers, group_name, *_capacity(node, kind, ep, factor)))
         claimed.update((node, *reusers))
     for node in gm.graph.nodes:
         if node.target in _GENERIC and node not in claimed:
@@ -147,7 +147,7 @@ def find_sites(gm: torch.fx.GraphModule, factor: float | None) -> list[Site]:
     return sites
 
 
-def rewrite_sites(gm: torch.fx.GraphModule, sites: list[Site], transport: str, factor: float | None) -> None:
+def rewrite_sites(gm: torch.fx.GraphModule, sites: list[Site], transport: str) -> None:
     """Swap every site's nodes for static ops; give flagged dispatches the overflow buffer."""
     graph = gm.graph
     flagged = [s for s in sites if s.capacity < s.worst_case]
@@ -174,7 +174,7 @@ def rewrite_sites(gm: torch.fx.GraphModule, sites: list[Site], transport: str, f
             graph.erase_node(node)
             new.name = name  # free again: stage inputs/outputs keep their all_to_all names
             if node is site.dispatch and site in flagged:
-                overflow_sites.append(OverflowSite(site.layer, new.name, site.capacity, site.worst_case, factor))
+                overflow_sites.append(OverflowSite(site.layer, new.name, site.capacity, site.worst_case, site.share))
     if flagged:
         gm.meta[OVERFLOW_KEY] = OverflowFlags(_OVERFLOW_BUFFER, tuple(overflow_sites), sites[0].group_name)
 
@@ -303,7 +303,7 @@ def dispatcher(gm: torch.fx.GraphModule, backend: str = "auto", capacity_factor:
                 f"dispatcher='padded' (or 'symm_mem' on one CUDA host), or drop the factor"
             )
         return gm
-    rewrite_sites(gm, sites, chosen, capacity_factor)
+    rewrite_sites(gm, sites, chosen)
     _propagate(gm)
     check_row_wise(gm)
     _fold_sizes(gm)

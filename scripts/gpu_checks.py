@@ -61,6 +61,13 @@ def _model(cfg, device, dtype):
     return MoETransformer(cfg, dist.group.WORLD).to(device=device, dtype=dtype)
 
 
+def _small_config(routing):
+    """Four layers (one dense), 16 experts top-4, dim 256: seconds per step on one GPU."""
+    return MoEConfig.tiny(dim=256, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=128,
+                          shared_expert_dim=128, vocab_size=4096, max_seq_len=256, **routing_fields(routing),
+                          layer_pattern=("moe", "moe", "dense", "moe"))
+
+
 def check_csan(device, emit):
     """The interleaved program under CSAN (torch.cuda._sanitizer). The sanitizer is
     enabled after the capture: it inspects real tensors and cannot run under the
@@ -69,9 +76,7 @@ def check_csan(device, emit):
 
     results = {}
     for routing in ROUTINGS:
-        cfg = MoEConfig.tiny(dim=256, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=128,
-                             shared_expert_dim=128, vocab_size=4096, max_seq_len=256, **routing_fields(routing),
-                             layer_pattern=("moe", "moe", "dense", "moe"))
+        cfg = _small_config(routing)
         model = _model(cfg, device, torch.bfloat16)
         batches = _batches(cfg, 3, 2, 256, device)
         for wgrad in (False, True):
@@ -114,9 +119,7 @@ def check_symm_mem(device, emit):
     always, per-expert with more than one rank), so it must raise there; it runs on a
     group of its own, which the engine aborts when the step fails."""
     for routing in ROUTINGS:
-        cfg = MoEConfig.tiny(dim=256, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=128,
-                             shared_expert_dim=128, vocab_size=4096, max_seq_len=256, **routing_fields(routing),
-                             layer_pattern=("moe", "moe", "dense", "moe"))
+        cfg = _small_config(routing)
         model = _model(cfg, device, torch.bfloat16)
         batches = _batches(cfg, 3, 2, 256, device)
         l1, g1 = _eager(model, batches)

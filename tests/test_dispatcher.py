@@ -23,22 +23,15 @@ from fxoverlap.models.moe import GroupedExperts
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.passes.dispatcher import DispatcherError, dispatcher
 from fxoverlap.passes.tag import TAG_KEY, op_name
-from fxoverlap.testing import run_distributed
+from fxoverlap.testing import run_distributed_once
 from snapshot_utils import requires_pinned_torch
 
 ROUTINGS = ["dropless", "dedup", "capacity"]
-_RESULTS: dict[str, list] = {}
-
-
-def _run(name: str, *args):
-    key = f"{name}{args!r}"
-    if key not in _RESULTS:
-        _RESULTS[key] = run_distributed(getattr(cases, name), *args)
-    return _RESULTS[key]
 
 
 def _rows(backend: str) -> list[dict]:
-    rows = [r for rank in _run("backends_match_eager", ROUTINGS, ["all_to_all", "padded"]) for r in rank]
+    rows = [r for rank in run_distributed_once(cases.backends_match_eager, ROUTINGS, ["all_to_all", "padded"])
+            for r in rank]
     return [r for r in rows if r["backend"] == backend]
 
 
@@ -61,7 +54,7 @@ def test_all_to_all_reads_split_sizes_on_the_host(routing):
 
 
 def test_capacity_factor_reads_one_flag_and_overflow_raises_cleanly():
-    for r in _run("overflow_and_edges"):
+    for r in run_distributed_once(cases.overflow_and_edges):
         roomy, tight = r["roomy"], r["tight"]
         assert roomy["losses_equal"] and roomy["bitwise"] and roomy["wgrad_stages"] > 0, roomy
         assert roomy["python_reads"] == {"tolist": 1} and roomy["aten_syncs"] == {}, roomy  # the end-of-step read
@@ -74,7 +67,7 @@ def test_capacity_factor_reads_one_flag_and_overflow_raises_cleanly():
 
 
 def test_static_ops_on_skewed_routing_equal_the_generic_ones():
-    for r in _run("overflow_and_edges"):
+    for r in run_distributed_once(cases.overflow_and_edges):
         o = r["ops"]
         assert o["dispatch"] and o["padding_zero"] and o["counts"] and o["combine"] and o["backward_dispatch"], o
 
