@@ -29,7 +29,7 @@ import torch
 import hf_cases
 import fxoverlap
 from fxoverlap.expert_parallel import ExpertParallelError, explain_capture_error, find_experts
-from fxoverlap.passes.capture import capture
+from fxoverlap.passes.capture import CaptureError, capture
 from fxoverlap.testing import run_distributed, take_grads
 
 pytest.importorskip("transformers")
@@ -172,10 +172,15 @@ def test_undeclared_layout_error():
 
 
 def _capture_error(model) -> BaseException:
+    """The raw torch error capture hit; capture itself raises a CaptureError that explains it."""
     ids = hf_cases.batches(0, n=1)[0]
     with pytest.raises(Exception) as err:
         capture(model, (ids,), hf_cases.next_token_loss)
-    return err.value
+    exc = err.value
+    if isinstance(exc, CaptureError):
+        assert exc.__cause__ is not None and str(exc) == explain_capture_error(model, exc.__cause__)
+        return exc.__cause__
+    return exc
 
 
 def test_explain_fp32_grouped_mm():
