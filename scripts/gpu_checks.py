@@ -196,7 +196,7 @@ def check_symm_mem_smoke(device, emit):
               token_combine_vs_formula=combine_ok, ok=all(same) and token_same and combine_ok))
 
 
-def check_numerics(device, emit, small=False):
+def check_numerics(device, emit, small=False, routings=ROUTINGS):
     """bf16 losses and gradients of forward_backward against eager, for both stage
     compilers. compiler="eager" runs eager's kernels: the tolerance is eager's own
     run-to-run noise (x4) or two bf16 roundoffs. compiler="inductor" fuses kernels as
@@ -205,7 +205,7 @@ def check_numerics(device, emit, small=False):
     program must equal the same compiled stages run one microbatch at a time, bitwise."""
     from fxoverlap.runtime import run_plain
 
-    for routing in ROUTINGS:
+    for routing in routings:
         dim, seq = (256, 256) if small else (1024, 1024)
         cfg = MoEConfig.tiny(dim=dim, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=dim // 2,
                              shared_expert_dim=dim // 2, vocab_size=8192, max_seq_len=seq, **routing_fields(routing),
@@ -335,6 +335,7 @@ def main() -> None:
     p.add_argument("--checks", default="numerics,memory,recompute")
     p.add_argument("--out", default=None)
     p.add_argument("--small", action="store_true", help="a small model for the numerics check (e.g. under CSAN)")
+    p.add_argument("--routings", default=",".join(ROUTINGS), help="routings of the numerics check")
     args = p.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(rank)
@@ -349,7 +350,7 @@ def main() -> None:
 
     for name in args.checks.split(","):
         if name == "numerics":
-            check_numerics(device, emit, small=args.small)
+            check_numerics(device, emit, small=args.small, routings=args.routings.split(","))
         else:
             checks = {"memory": check_memory, "recompute": check_recompute, "csan": check_csan, "row_sum": check_row_sum,
                       "symm_mem": check_symm_mem, "symm_mem_smoke": check_symm_mem_smoke}
