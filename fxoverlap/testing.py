@@ -48,6 +48,18 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:
     return [value for _, value in results]
 
 
+def token_batches(vocab: int, n: int, shape: tuple[int, int] = (2, 16), seed: int = 0,
+                  device: torch.device | str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` microbatches ``(tokens, labels)`` of random token ids below ``vocab``, each of
+    ``shape``, from a CPU generator seeded with ``seed`` (so any device gets the same data)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        mb = (torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+        out.append(mb if device is None else (mb[0].to(device), mb[1].to(device)))
+    return out
+
+
 def grad_diff(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
     """(max abs diff, max |ref grad|, bitwise) between ``model``'s grads and ``ref``."""
     worst, scale, bitwise = 0.0, 0.0, True

@@ -3,9 +3,18 @@
 
     python scripts/bench_summary.py DIR
 
-Reads ``DIR/fx_<name>.json`` (``python -m fxoverlap.bench --name fx_<name>``) and
-``DIR/peer_<regime>_<routing>_overlap{0,1}.log`` (the ``RESULT {...}`` line of
-``peer_megatron.py``) and prints our figures, the peer's, and the two side by side.
+Reads every ``DIR/*.json`` that ``python -m fxoverlap.bench --out DIR --name <name>``
+wrote (run ``<name>``, less a leading ``fx_``; scripts/gpu_bench.sh names them
+``fx_<regime>_<routing>``, scripts/gpu_one.sh ``peer_<routing>`` and ``small_<routing>``)
+and ``DIR/peer_<regime>_<routing>_overlap{0,1}.log`` (the ``RESULT {...}`` line of
+``peer_megatron.py``), and prints:
+
+* per run, eager against fxoverlap (T_serial, T_bound, overlap efficiency, memory);
+* per run and mode (``eager``, ``compile`` = ``torch.compile(model)``, ``backend`` =
+  ``torch.compile(model, backend="fxoverlap")``, ``fxoverlap``): step time, tokens/s,
+  peak memory, the speed-ups against eager and against compile (the bench's
+  ``speedups``), the first step's time and the gradients' difference from eager;
+* the peer's figures, and ours and the peer's side by side.
 """
 
 from __future__ import annotations
@@ -22,9 +31,15 @@ def _f(v, spec=".1f"):
 
 def load_ours(d: str) -> dict[str, dict]:
     out = {}
-    for path in sorted(glob.glob(os.path.join(d, "fx_*.json"))):
+    for path in sorted(glob.glob(os.path.join(d, "*.json"))):
         with open(path) as fh:
-            out[os.path.basename(path)[3:-5]] = json.load(fh)
+            try:
+                r = json.load(fh)
+            except json.JSONDecodeError:
+                continue
+        if isinstance(r, dict) and "modes" in r:  # a bench result, not another JSON file
+            name = os.path.basename(path)[:-5]
+            out[name[3:] if name.startswith("fx_") else name] = r
     return out
 
 
@@ -58,6 +73,41 @@ def ours_table(ours: dict[str, dict]) -> list[str]:
             f"{'' if ratio is None else f' ({(ratio - 1) * 100:+.0f} %)'} "
             f"| {_f(r.get('numerics', {}).get('loss_max_abs_diff'), '.2g')} |"
         )
+    return rows
+
+
+def _grad_diff(r: dict, mode: str) -> str:
+    """Max abs gradient difference of ``mode`` from eager, relative to max |eager grad|
+    (for eager itself: a second eager step on the same data, its run-to-run noise)."""
+    n = r.get("numerics", {})
+    if mode == "eager":
+        diff, bitwise = n.get("eager_rerun_grad_max_abs_diff"), n.get("eager_rerun_grads_bitwise")
+        scale = n.get("grad_max_abs_eager") or next(
+            (v.get("grad_max_abs_eager") for v in n.values() if isinstance(v, dict)), None)
+    else:
+        g = n if mode == "fxoverlap" else n.get(mode, {})
+        diff, bitwise, scale = g.get("grad_max_abs_diff"), g.get("grads_bitwise"), g.get("grad_max_abs_eager")
+    if diff is None:
+        return "-"
+    return "bitwise" if bitwise else f"{diff / scale if scale else diff:.2g}"
+
+
+def modes_table(ours: dict[str, dict]) -> list[str]:
+    rows = [
+        "| run | mode | step ms | tokens/s | peak GiB | vs eager | vs compile | first step s "
+        "| grad diff vs eager (rel.) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for tag, r in ours.items():
+        sp = r.get("speedups", {})
+        for mode, m in r.get("modes", {}).items():
+            vs = [sp.get(base, {}).get(mode) for base in ("eager", "compile")]
+            rows.append(
+                f"| {tag} | {mode} | {_f(m.get('step_ms'))} | {_f(m.get('tokens_per_s'), '.0f')} "
+                f"| {_f(m.get('peak_mem_gib'), '.2f')} "
+                + " ".join(f"| {_f(v, '.3f')}{'' if v is None else '×'}" for v in vs)
+                + f" | {_f(m.get('first_step_s'), '.1f')} | {_grad_diff(r, mode)} |"
+            )
     return rows
 
 
@@ -108,7 +158,9 @@ def main(argv: list[str]) -> int:
         return 2
     d = argv[0]
     ours, peer = load_ours(d), load_peer(d)
-    lines = ["## fxoverlap (python -m fxoverlap.bench)", "", *ours_table(ours), ""]
+    lines = ["## fxoverlap (python -m fxoverlap.bench)", "", *ours_table(ours), "",
+             "## Every mode (speed-ups against eager and against torch.compile(model))", "",
+             *modes_table(ours), ""]
     if peer:
         lines += ["## Megatron-Core peer (peer_megatron.py)", "", *peer_table(peer), "",
                   "## Side by side", "", *side_by_side(ours, peer), ""]

@@ -10,7 +10,7 @@ import copy, json, os, sys, time, traceback
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 import hf_cases  # noqa: E402
 import fxoverlap  # noqa: E402
 from fxoverlap.testing import take_grads  # noqa: E402

@@ -22,14 +22,13 @@ import fxoverlap.backend as fxb
 from fxoverlap.models.moe import Block, MoEConfig, MoETransformer
 from fxoverlap.program_ops import record_event, stage_calls, wait_event
 from fxoverlap.stage import Direction, StageKind, StreamKind
-from fxoverlap.testing import grad_diff, run_distributed
+from fxoverlap.testing import grad_diff, run_distributed, token_batches
 
 TOL = 1e-6
 
 
 def _batch(rank: int, step: int, vocab: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return (torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g))
+    return token_batches(vocab, 1, seed=1000 * rank + step)[0]
 
 
 def _compare(make_model, vocab: int, rank: int, steps: int = 2, backend="fxoverlap", device="cpu") -> dict:

@@ -1,4 +1,6 @@
-"""CUDA graphs (issue 6, item 1), on CPU: the cudagraph pass and the runtime's logic.
+"""CUDA graphs on CPU, on the reference model: the cudagraph pass and the runtime's logic.
+(The pass on hand-built stages, capturability reasons and the copies the schedule
+needs: tests/test_passes.py.)
 
 - the pass marks exactly the capturable compute stages: in capacity routing every
   compute stage, in dropless routing all but the experts stages (skipped with a
@@ -31,10 +33,9 @@ import fxoverlap
 import fxoverlap.cudagraphs as cg
 from fxoverlap import program_ops
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.passes.cudagraph import cudagraph
-from fxoverlap.passes.split import not_capturable_reason
 from fxoverlap.runtime import ProgramRunner
 from fxoverlap.stage import StageKind, StreamKind
+from fxoverlap.testing import token_batches
 
 
 def _model(routing: str, **kw):
@@ -43,11 +44,7 @@ def _model(routing: str, **kw):
 
 
 def _batches(n: int, vocab: int, distinct: bool = True, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    one = lambda: (torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g))  # noqa: E731
-    if not distinct:
-        return [one()] * n
-    return [one() for _ in range(n)]
+    return token_batches(vocab, n, seed=seed) if distinct else token_batches(vocab, 1, seed=seed) * n
 
 
 def _grads(model):
@@ -128,44 +125,6 @@ def test_free_leaves_graph_owned_outputs():
         if n.op == "call_function" and n.target is program_ops.free:
             freed_plain.update(n.args[1:])
     assert owned & freed_plain
-
-
-def test_pass_is_idempotent_and_keeps_code():
-    model = _model("capacity")
-    engine, _, _ = _run(model, fxoverlap.OverlapConfig(), _batches(2, 256))
-    code = engine.program.code
-    graphs = [s.graph_module.code for s in engine.stages]
-    assert not _graphed(engine)
-    cudagraph(engine.stages)
-    marks = _graphed(engine)
-    cudagraph(engine.stages)
-    assert marks == _graphed(engine) == {s.name for s in engine.stages if s.capturable}
-    assert engine.program.code == code and graphs == [s.graph_module.code for s in engine.stages]
-
-
-def _reason(fn, name="fwd_l0_attn", kind=StageKind.ATTN) -> str | None:
-    return not_capturable_reason(name, kind, torch.fx.symbolic_trace(fn))
-
-
-def test_skip_reasons_mutation_and_views():
-    def mutates(x, y):
-        return torch.ops.aten.add_.Tensor(x, y)
-
-    def views(x):
-        return torch.ops.aten.t.default(torch.ops.aten.view.default(x, [4, 4]))
-
-    def computes(x):
-        return torch.ops.aten.mul.Tensor(x, 2)
-
-    def syncs(x):
-        return torch.ops.aten._local_scalar_dense.default(x)
-
-    r = _reason(mutates)
-    assert r is not None and "in-place op at node add_" in r and "aten.add_" in r
-    assert "only views" in _reason(views)
-    assert _reason(computes) is None
-    assert _reason(syncs) == "stage fwd_l0_attn: host sync at node _local_scalar_dense_default (aten._local_scalar_dense)"
-    assert "communication stage" in _reason(computes, "fwd_l0_dispatch", StageKind.DISPATCH)
 
 
 # ---------------------------------------------------------------- CPU: a no-op
@@ -366,14 +325,6 @@ def test_one_copy_would_corrupt(fake_cuda, monkeypatch):
     engine.forward_backward(mbs)
     grads = _grads(model)
     assert any(not torch.equal(grads[k], ref_grads[k]) for k in grads)
-
-
-def test_in_flight_depth_of_schedule():
-    model = _model("capacity")
-    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(delay_wgrad=True))
-    for n in (1, 2, 3, 4, 6):
-        engine.forward_backward(_batches(n, 256))
-        assert cg.in_flight_depth(engine.program) == (1 if n == 1 else 2), n
 
 
 def test_cross_stream_readers_delay_next_replay(fake_cuda):
