@@ -1,4 +1,4 @@
-"""GPU checks for issues 3-5, on 2 ranks with NCCL: ``torchrun --nproc-per-node 2 scripts/gpu_checks.py``.
+"""GPU checks on 2 ranks with NCCL: ``torchrun --nproc-per-node 2 scripts/gpu_checks.py``.
 
 * numerics: bf16 losses and gradients of ``forward_backward`` against eager on the same
   weights and data (dropless, capacity, and dropless with token dedup). Tolerance: gradients are compared by

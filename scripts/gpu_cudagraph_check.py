@@ -1,4 +1,4 @@
-"""GPU check of CUDA graphs (issue 6, item 1) on 2 ranks with NCCL:
+"""GPU check of CUDA graphs (``OverlapConfig(cuda_graphs=True)``) with NCCL:
 
     torchrun --nproc-per-node N scripts/gpu_cudagraph_check.py [--out results.jsonl]
 
@@ -22,7 +22,7 @@ graph). Per variant:
 * teardown: ``engine.close()`` for every engine, then ``dist.destroy_process_group()``,
   under a 60 s watchdog thread that prints ``TEARDOWN HANG`` and exits with status 3
   if they do not return (a process that had captured NCCL kernels hung there,
-  DESIGN.md; comm stages are never captured, and the graphs are released first).
+  docs/design.md; comm stages are never captured, and the graphs are released first).
 
 Rank 0 prints one ``CUDAGRAPH {json}`` line after teardown. Exit status: 0 when
 every check passed, 1 when one failed, 3 on a teardown hang.

@@ -77,7 +77,7 @@ def main():
                     if truth is not None:
                         row[mode]["vs_fp32"] = max(hf_cases.rel({n: p.grad for n, p in model.named_parameters()}, truth).values())
                     if engine is not None:
-                        row[mode]["comm_stages"] = sorted({s.name.split("_", 2)[-1] for s in engine.stages if str(s.stream) == "comm"})
+                        row[mode]["comm_stages"] = sorted({s.name.split("_", 2)[-1] for s in engine.stages if s.stream is fxoverlap.StreamKind.COMM})
                 row["seconds"] = round(time.perf_counter() - t0, 2)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:600]

@@ -1,7 +1,7 @@
 """``torch.compile(model, backend="fxoverlap")``: losses and gradients equal eager's.
 
 CPU: 2 gloo ranks (one spawn for all multi-rank cases) and one rank without a
-process group; GPU (skipped without 2 devices): 2 NCCL ranks, comm on its own stream. Tolerance as in DESIGN.md (max abs diff <= 1e-6 * max |eager grad|);
+process group; GPU (skipped without 2 devices): 2 NCCL ranks, comm on its own stream. Tolerance: max abs diff <= 1e-6 * max |eager grad|;
 each case also reports whether it is bitwise, and the multi-rank cases assert it
 (forward and backward stages run the aten ops eager runs, in eager's order).
 """

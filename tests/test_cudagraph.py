@@ -53,6 +53,17 @@ def _grads(model):
     return out
 
 
+def _steps_bitwise(engine, model, mbs, ref_losses, ref_grads, steps: int = 2) -> None:
+    """``steps`` forward_backward calls, each equal to the reference bitwise."""
+    for step in range(steps):
+        losses = engine.forward_backward(mbs)
+        grads = _grads(model)
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), step
+        assert grads.keys() == ref_grads.keys()
+        bad = [k for k in grads if not torch.equal(grads[k], ref_grads[k])]
+        assert not bad, (step, bad)
+
+
 def _graphed(engine) -> set[str]:
     return {s.name for s in engine.stages if s.graphed}
 
@@ -355,11 +366,7 @@ def test_delay_wgrad_and_mhc_replay_bitwise(fake_cuda):
     cfg = dict(delay_wgrad=True, mhc_recompute_group=1)
     _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(**cfg), mbs)
     engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True, **cfg))
-    for _ in range(2):
-        losses = engine.forward_backward(mbs)
-        grads = _grads(model)
-        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
-        assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    _steps_bitwise(engine, model, mbs, ref_losses, ref_grads)
     (sg,) = fake_cuda.made
     assert sg.copies == 2 and not sg.eager
 
@@ -373,11 +380,7 @@ def test_pool_per_graph_where_replay_order_differs(fake_cuda, caplog):
     _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(delay_wgrad=True), mbs)
     engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True, delay_wgrad=True))
     with caplog.at_level(logging.INFO, logger="fxoverlap"):
-        for _ in range(2):
-            losses = engine.forward_backward(mbs)
-            grads = _grads(model)
-            assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
-            assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+        _steps_bitwise(engine, model, mbs, ref_losses, ref_grads)
     (sg,) = fake_cuda.made
     assert sg.shared_pool == {0: False, 1: True}
     assert any("copy 0 uses one memory pool per graph" in r.getMessage() and "microbatch 2" in r.getMessage()

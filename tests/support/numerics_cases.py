@@ -131,8 +131,7 @@ def titan_shared_seq_nr(rank: int, world: int) -> dict:
     all-to-alls must still land in comm stages, and numerics stay exact."""
     from titan_models import TitanTransformer
 
-    from fxoverlap.passes.tag import op_name
-    from fxoverlap.runtime import run_plain
+    from fxoverlap.meta import op_name
 
     torch.manual_seed(0)
     model = TitanTransformer(dist.group.WORLD)
