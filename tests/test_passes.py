@@ -410,17 +410,23 @@ def _tagged_graph() -> torch.fx.GraphModule:
 
 def test_side_parts_on_a_hand_built_graph():
     gm = side(_tagged_graph())
-    parts = {n.name: n.meta[TAG_KEY].part for n in gm.graph.nodes if TAG_KEY in n.meta}
-    moved = {name: part for name, part in parts.items() if part is not Part.MAIN}
-    # forward: what the dispatch does not read runs under it; the two-output op stays
-    # whole with the dispatch's ancestors. Layer 1's side part would be only a view,
-    # and layer 2 has no dispatch: both keep one attn stage. Backward: what depends
-    # on nothing of the layer's backward comm/experts work runs under the combine.
+    moved = {n.name: n.meta[TAG_KEY].part for n in gm.graph.nodes
+             if TAG_KEY in n.meta and n.meta[TAG_KEY].part is not Part.MAIN and n.target is not operator.getitem}
+    # forward: what the dispatch does not read runs under it. Layer 1's side part would
+    # be only a view, and layer 2 has no dispatch: both keep one attn stage. Backward:
+    # what depends on nothing of the layer's backward comm/experts work runs under the
+    # combine.
     assert moved == {"shared": Part.SIDE, "shared2": Part.SIDE, "g_shared": Part.EARLY}
-    # split of it: the parts are stages of their own, and plain order still holds
+    # split of it: the parts are stages of their own (the two-output op's results stay
+    # with it: a stage hands out tensors, not tuples), and plain order still holds
     stages = split(gm, 3)
+    nodes = {s.name: [n.name for n in s.graph_module.graph.nodes if n.op == "call_function"] for s in stages}
     assert [s.name for s in stages if s.kind is K.ATTN] == [
         "fwd_l0_attn", "fwd_l0_attn_side", "fwd_l1_attn", "fwd_l2_attn", "bwd_l0_attn_early", "bwd_l0_attn"]
+    assert nodes["fwd_l0_attn"] == ["norm", "stats", "mean", "var", "route"]
+    assert nodes["fwd_l0_attn_side"] == ["shared", "shared2"]
+    assert nodes["fwd_l1_attn"] == ["attn1", "view1"]
+    assert nodes["bwd_l0_attn_early"] == ["g_shared"] and nodes["bwd_l0_attn"] == ["g_attn", "g_sum"]
     side_stage = next(s for s in stages if s.name == "fwd_l0_attn_side")
     assert side_stage.inputs == ["norm", "w", "var"] and side_stage.outputs == ["shared2"]
 
