@@ -1,4 +1,4 @@
-"""GPU checks for issues 3-5, on 2 ranks with NCCL: ``torchrun --nproc-per-node 2 scripts/gpu_checks.py``.
+"""GPU checks on 2 ranks with NCCL: ``torchrun --nproc-per-node 2 scripts/gpu_checks.py``.
 
 * numerics: bf16 losses and gradients of ``forward_backward`` against eager on the same
   weights and data (dropless, capacity, and dropless with token dedup). Tolerance: gradients are compared by
@@ -38,15 +38,11 @@ import torch.distributed as dist
 import fxoverlap
 from fxoverlap.bench import routing_fields
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.testing import eager_steps, rel_l2, take_grads
+from fxoverlap.testing import eager_steps, rel_l2, take_grads, token_batches
 
 
 def _batches(cfg, n, mbs, seq, device, seed=0):
-    g = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
-    return [
-        tuple(torch.randint(0, cfg.vocab_size, (mbs, seq), generator=g).to(device) for _ in range(2))
-        for _ in range(n)
-    ]
+    return token_batches(cfg.vocab_size, n, (mbs, seq), seed=seed + 1000 * dist.get_rank(), device=device)
 
 
 def _eager(model, batches):

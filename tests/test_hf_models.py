@@ -185,10 +185,13 @@ def _capture_error(model) -> BaseException:
 
 def test_explain_fp32_grouped_mm():
     model = hf_cases.build("qwen3_moe", experts_implementation="grouped_mm")
-    exc = _capture_error(model)
+    err = _capture_error(model)
+    # capture raises the explanation, from torch's own error
+    assert isinstance(err, CaptureError) and err.__cause__ is not None
+    exc = err.__cause__
     assert "Expected inputs of BF16 type" in str(exc)  # what torch itself says
     msg = explain_capture_error(model, exc)
-    assert msg is not None
+    assert msg is not None and str(err) == msg
     for part in ("model.layers.0.mlp.experts (Qwen3MoeExperts)", 'experts_implementation="grouped_mm"',
                  "torch._grouped_mm accepts only bfloat16", "torch.float32",
                  "fxoverlap.expert_parallel(model, ep_group)"):
@@ -203,10 +206,12 @@ def test_explain_fp32_grouped_mm():
 
 def test_explain_eager_experts_loop():
     model = hf_cases.build("mixtral", experts_implementation="eager")
-    exc = _capture_error(model)
+    err = _capture_error(model)
+    assert isinstance(err, CaptureError) and err.__cause__ is not None
+    exc = err.__cause__
     assert type(exc).__name__ == "GuardOnDataDependentSymNode"
     msg = explain_capture_error(model, exc)
-    assert msg is not None
+    assert msg is not None and str(err) == msg
     for part in ("model.layers.0.mlp.experts (MixtralExperts)", 'experts_implementation="eager"',
                  "loop over the experts that were hit", "guard on Eq(u0, ", "fxoverlap.expert_parallel(model, ep_group)",
                  'experts_implementation="grouped_mm" in bfloat16'):
