@@ -136,10 +136,10 @@ class ProgramRunner:
                 stage = self.stages[step.stage]
                 mb = step.microbatch
                 # inputs written on the other stream (placeholders count as compute)
-                cross = tuple(i for i, v in enumerate(stage.inputs)
-                              if stream_of.get((mb, v), StreamKind.COMP) is not stage.stream)
-                for v in stage.outputs:
-                    stream_of[(mb, v)] = stage.stream
+                cross = tuple(i for i, v in enumerate(step.reads)
+                              if stream_of.get((mb, v), StreamKind.COMP) is not step.stream)
+                for v in step.writes:
+                    stream_of[(mb, v)] = step.stream
                 if stage.direction is Direction.BWD and self.backward_start is None:
                     self.backward_start = len(self._bound)
                     while self.backward_start and self._bound[self.backward_start - 1][0] == self.wait_event:
