@@ -1,35 +1,48 @@
 """capture: trace forward + loss + backward of a model into one joint FX graph.
 
-Uses AOTAutograd's ``aot_export_joint_with_descriptors`` with no decompositions,
-so every node is the aten op eager runs and executing the graph reproduces
-eager's loss and gradients bitwise on CPU. Inputs are faked with static shapes
-under a ``ShapeEnv``, so a data-dependent dispatch (dropless routing) gets an
-unbacked row count and one capture serves every routing outcome. Nothing is
-communicated while tracing.
-
-While tracing, forward hooks annotate the ops of each decoder layer with
-``{"fxoverlap_layer": i, "fxoverlap_child": name}`` (``torch.fx.traceback.annotate``);
-backward nodes carry the annotation of the forward op they differentiate.
-
+Contract
+--------
 Assumes: the model's decoder layers are the entries of one ``nn.ModuleList`` or
 ``nn.ModuleDict`` (found by size, or named by ``OverlapConfig.layer_container``),
-called once each per forward; the loss is a scalar tensor (the torch.compile
-backend accepts any tensor outputs). Buffers and inputs the forward updates in
-place (a load-balance counter, a running statistic) are allowed: the capture
-names each new value and what it must be copied into (``Capture.mutations``).
+called once each per forward; the inputs are tensors; the loss is a scalar tensor
+(``scalar_loss=False``, for the torch.compile backend: any tensor outputs). Buffers
+and inputs the forward updates in place (a load-balance counter, a running
+statistic) are allowed; parameters updated in place are not. Tensor-subclass
+parameters, buffers and inputs (DTensor) are allowed: the graph takes their
+flattened parts (``__tensor_flatten__`` attributes: a DTensor's ``_local_tensor``,
+and its ``device_mesh`` where torch passes it as an opaque value).
 
-Tensor-subclass parameters, buffers and inputs (DTensor) are traced flattened:
-the graph takes their inner values (``__tensor_flatten__`` attributes: a DTensor's
-``_local_tensor``, and its ``device_mesh`` where torch passes it as an opaque
-value), named in ``Capture.subclass_placeholders`` / ``input_parts``, and returns
-the inner values of their gradients (``grad_parts``), which the runtime wraps
-back into the subclass the traced backward produced (``grad_layouts``: for a
-DTensor its mesh and placements, as eager's gradient has them).
+Guarantees: a :class:`Capture`: the joint graph from AOTAutograd's
+``aot_export_joint_with_descriptors`` with no decompositions, so every node is the
+aten op eager runs and executing the graph reproduces eager's loss and gradients
+bitwise on CPU; every placeholder and graph output named by role (parameters,
+buffers, inputs, tangents; outputs, parameter gradients, in-place updates in
+``Capture.mutations``); subclass parts named in ``Capture.subclass_placeholders`` /
+``input_parts`` / ``grad_parts``, and each subclass gradient's layout (for a DTensor
+its mesh and placements, as the traced backward, so eager, produced them) in
+``grad_layouts``, so the runtime can rebuild it. Every tensor the step hands out
+(output, gradient, new buffer value) is a node of its own that the graph computes:
+where AOTAutograd returns one node for two entries, or a placeholder as it is (a
+gradient that is the tangent), a clone stands in. Forward nodes of decoder layer
+``i`` carry the annotation ``{LAYER_KEY: i, CHILD_KEY: child}``
+(``node.meta["custom"]``); backward nodes carry the ``seq_nr`` of the forward op
+they differentiate. Inputs are faked with static
+shapes under a ``ShapeEnv``, so a data-dependent dispatch (dropless routing) gets an
+unbacked row count and one capture serves every routing outcome. Nothing runs on
+real data and nothing is communicated. A model that cannot be traced raises
+:class:`CaptureError` saying why and what to change.
 
-Guarantees: every tensor the step hands out (output, gradient, new buffer value)
-is a node of its own that the graph computes: where AOTAutograd returns one node
-for two entries or a placeholder as it is (a gradient that is the tangent), a
-clone stands in, so each role names a distinct value that some stage produces.
+Steps
+-----
+1. Refuse FSDP2-wrapped modules; find the decoder layers (``find_layers``).
+2. Trace the train step (``_TrainStep``: model + loss) under forward hooks that
+   annotate each layer's and child's ops (``_annotate_layers``).
+3. Give each handed-out value a node of its own (``_distinct_sink_values``).
+4. Name placeholders and outputs by role from AOTAutograd's descriptors and the
+   subclass layouts of the gradients (``_roles``, ``_grad_layouts``).
+
+Entry point: ``capture(model, inputs, loss_fn=None, layer_container=None, train=True,
+scalar_loss=True) -> Capture``.
 """
 
 from __future__ import annotations

@@ -3,22 +3,34 @@ instead of saving its activations.
 
 mHC widens the residual stream to n copies, and its per-token maps (RMSNorm of
 the flattened stream, sigmoids, 20 Sinkhorn iterations) leave many n-times-wide
-activations for the backward. This pass finds the forward nodes marked
-``fxoverlap.region("mhc")`` inside decoder layers and, for every backward node of
-a layer in group ``g`` (``group_size`` consecutive layers) that reads one, clones
-the mHC computation of that value into a *recompute* stage
-``Tag(bwd, top layer of g, recompute)``. Clone inputs are what the group does not
-recompute: non-mHC forward values, parameters, and mHC values of other groups
-(the stream entering the group, which stays saved). Backward readers outside the
-group's layers keep reading the saved original, so the recompute stage always
-runs before its readers: the schedule places it right before the group's first
-backward stage, on the compute stream. The originals then die in the forward and
-the free pass drops them there.
+activations for the backward.
 
-Runs between ``tag`` and ``split``, on the tagged joint graph (the sketch in
-DESIGN.md splices after ``split``; cloning before it lets ``split`` give the
-recompute stage explicit inputs and outputs like any other stage). Recomputed
-values are bitwise the saved ones: the same ops on the same inputs.
+Contract
+--------
+Assumes: ``tag`` ran; the model marks its hyper-connection code
+``fxoverlap.region("mhc")`` (``REGION_KEY`` in ``node.meta["custom"]``) inside its
+decoder layers. Runs between ``tag`` and ``split``, on the tagged joint graph
+(cloning before ``split`` lets it give the recompute stage explicit inputs and
+outputs like any other stage).
+
+Guarantees: for every backward node of a layer in group ``g`` (``group_size``
+consecutive layers) that reads an mHC value of its own group, that value's mHC
+computation is cloned into the backward, tagged ``Tag(bwd, top layer of g,
+recompute)`` (with ``RECOMPUTE_LAYERS_KEY``: the group's layers), and the reader
+reads the clone. Clone inputs are what the group does not recompute: non-mHC
+forward values, parameters, and mHC values of other groups (the stream entering
+the group, which stays saved). Backward readers outside the group's layers keep
+reading the saved original, so the recompute stage always runs before its readers:
+the schedule places it right before the group's first backward stage, on the
+compute stream. The originals then die in the forward and the free pass drops them
+there. Recomputed values are bitwise the saved ones: the same ops on the same
+inputs. No mHC node, or nothing to recompute, raises :class:`RecomputeError`.
+
+Steps
+-----
+1. Find the forward mHC nodes of decoder layers (``_is_mhc``).
+2. For each backward node reading an mHC value of its own group, clone that value
+   (inputs first, once per group) before the first backward node and rewire the read.
 
 Entry point: ``recompute(gm, num_layers, group_size) -> GraphModule``.
 """

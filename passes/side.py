@@ -33,8 +33,6 @@ Entry point: ``side(gm) -> GraphModule`` (tags rewritten in place).
 
 from __future__ import annotations
 
-import operator
-
 import torch.fx
 
 from fxoverlap.meta import TAG_KEY
@@ -59,8 +57,6 @@ def _forward_side(attn: list[torch.fx.Node], dispatch: list[torch.fx.Node]) -> l
     for n in reversed(attn):  # ancestors (within the stage) of what the dispatch reads
         if n in wanted or any(u in keep for u in n.users):
             keep.add(n)
-    # the results of a multi-output op stay with it (a stage hands out tensors, not tuples)
-    keep |= {n for n in attn if n.target is operator.getitem and n.args[0] in keep}
     return [n for n in attn if n not in keep]
 
 

@@ -1,22 +1,35 @@
 """split: cut the tagged joint graph into stage subgraphs with explicit inputs and outputs.
 
-Each stage holds the nodes of one tag, in graph order, as its own GraphModule.
-Its inputs are the values it reads from placeholders or other stages (saved
-activations are simply forward-stage outputs that a backward stage reads); its
-outputs are the values another stage or the graph output reads. Stages come
-back in plain execution order: every forward stage, then every backward stage.
+Contract
+--------
+Assumes: ``tag`` ran (and ``side``, ``recompute`` where configured): every node but
+placeholders and the output carries a :class:`~fxoverlap.stage.Tag`, and sorting the
+tags by ``Tag.sort_key`` orders every node after its producers.
 
-Each stage records whether a CUDA graph can hold it (``not_capturable_reason``:
-communication, a host sync, a data-dependent shape, an in-place op, or nothing
-to launch), with the node that makes it so; this is the one place that is decided.
+Guarantees: one :class:`~fxoverlap.stage.Stage` per tag, in plain execution order
+(every forward stage, then every backward stage), each holding the nodes of its tag,
+in graph order, as its own GraphModule. Its inputs are the values it reads from
+placeholders or other stages (saved activations are simply forward-stage outputs
+that a backward stage reads); its outputs are the values another stage or the graph
+output reads. Every stage records whether a CUDA graph can hold it
+(``not_capturable_reason``: communication, a host sync, a data-dependent shape, an
+in-place op, or nothing to launch), with the node that makes it so: the one place
+that is decided. The joint graph is not changed.
 
 With ``delay_wgrad``, each backward ``attn``/``experts``/``mlp`` stage is cut in
 two: the weight-gradient part (nodes whose results reach only parameter-gradient
 outputs) becomes a stage of its own, part ``WGRAD`` (``<name>_wgrad``), so the
 schedule can run it where it fills a comm slot.
 
-Entry point: ``split(gm, num_layers, delay_wgrad=False) -> list[Stage]`` (plain
-data); assumes ``tag`` ran.
+Steps
+-----
+1. Group the tagged nodes by tag; with ``delay_wgrad``, cut the weight-gradient part
+   off each backward attn/experts/mlp group (``_wgrad_part``).
+2. Per group in plain order: inputs and outputs (``stage_boundary``), the stage
+   graph (``build_stage_module``), capturability (``not_capturable_reason``).
+3. Check that no stage reads a value a later stage produces (``_check_order``).
+
+Entry point: ``split(gm, num_layers, delay_wgrad=False) -> list[Stage]`` (plain data).
 """
 
 from __future__ import annotations
@@ -160,6 +173,7 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
                     wset = set(w)
                     groups[t] = [n for n in nodes if n not in wset]
                     groups[t.with_part(Part.WGRAD)] = w
+    _keep_results_with_their_op(groups)
     stages = []
     for t in sorted(groups, key=lambda k: k.sort_key(num_layers)):
         nodes = groups[t]
@@ -177,6 +191,32 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
         ))
     _check_order(stages)
     return stages
+
+
+def _keep_results_with_their_op(groups: dict[Tag, list[torch.fx.Node]]) -> None:
+    """Move each ``getitem`` of a multi-output op into the op's stage: a stage hands out
+    tensors, never the tuple of an op (Inductor and CUDA graphs take flat outputs). A
+    getitem computes nothing, and its new stage runs no later than its old one."""
+    group_of = {n: t for t, nodes in groups.items() for n in nodes}
+    moved: dict[Tag, set[torch.fx.Node]] = {}
+    for t, nodes in groups.items():
+        for n in nodes:
+            if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
+                src = group_of.get(n.args[0])
+                if src is not None and src != t:
+                    moved.setdefault(t, set()).add(n)
+                    group_of[n] = src
+    if not moved:
+        return
+    for t, nodes in moved.items():
+        groups[t] = [n for n in groups[t] if n not in nodes]
+    order = {n: i for i, n in enumerate(next(iter(groups.values()))[0].graph.nodes)}
+    for n in set().union(*moved.values()):
+        groups[group_of[n]].append(n)
+    for t in list(groups):
+        groups[t].sort(key=order.get)
+        if not groups[t]:
+            del groups[t]
 
 
 def _check_order(stages: list[Stage]) -> None:

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 scripts/gpu_dtensor_check.py     # or 1
 
-The torchtitan-style model of tests/titan_models.py (functional-collective EP over
+The torchtitan-style model of tests/support/titan_models.py (functional-collective EP over
 NCCL) with DTensor weights, as torchtitan's EP leaves them: experts Shard(0) on a CUDA
 mesh, routers replicated with Partial gradients, DTensor token inputs. fxoverlap vs
 eager on twin models, fp32, 3 microbatches, the default stage compiler (Inductor on
@@ -15,7 +15,7 @@ import json, os, sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 import fxoverlap  # noqa: E402
 from titan_models import TitanTransformer, shard_with_dtensors  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402

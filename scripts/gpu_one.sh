@@ -4,6 +4,7 @@
 #
 #     PARTS="peer small checks" ROUTINGS="dropless capacity dedup" OUT=$OUT bash scripts/gpu_one.sh
 #
+# smoke:  a tiny shape through every mode (stops the script if fxoverlap or the backend fails).
 # peer:   the Megatron peer's shape on one rank; per routing one process runs the modes
 #         eager, compile (torch.compile(model)), backend (torch.compile(..., backend="fxoverlap"))
 #         and fxoverlap (optimize; Inductor stages by default on CUDA), each timed after warm-up.
@@ -22,8 +23,11 @@ PY=${PY:-python3}
 PARTS=${PARTS:-"peer small checks"}
 ROUTINGS=${ROUTINGS:-"dropless capacity dedup"}
 SMALL_ROUTINGS=${SMALL_ROUTINGS:-"capacity dropless"}
+SMALL_MODES=${SMALL_MODES:-eager,compile,fxoverlap}
+CHECK_ROUTINGS=${CHECK_ROUTINGS:-dropless,capacity,dedup}
 OUT=${OUT:-bench_out/gpu_one}
 WARM=${WARM:-1}
+MODES=${MODES:-eager,compile,backend,fxoverlap}
 ITERS=${ITERS:-5}
 WARMUP=${WARMUP:-2}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
@@ -47,10 +51,17 @@ bench() {  # name, timeout, bench args...
 }
 for part in $PARTS; do
   case $part in
+    smoke)  # a tiny shape through every mode: stop here (rc 2) if it fails
+      bench smoke 240 --tiny --modes eager,backend,fxoverlap --iters 1 --warmup 1 --routing dropless
+      grep -q "^fxoverlap " "$OUT/smoke.log" || { say "smoke failed: stopping"; exit 2; }
+      grep -q "falling back\|FallbackWarning\|running this graph as plain" "$OUT/smoke.log" && \
+        { grep -m3 "running this graph as plain" "$OUT/smoke.log" | cut -c1-400 | tee -a "$LOG"; say "backend fell back: stopping"; exit 2; } ;;
     peer)
       first=""
       for r in $ROUTINGS; do
-        bench "peer_$r" "$STEP_TIMEOUT" --routing "$r" --modes eager,compile,backend,fxoverlap
+        # the first routing runs every mode; later ones MODES (default: every mode)
+        modes=$MODES; [ -z "$first" ] && modes=eager,compile,backend,fxoverlap
+        bench "peer_$r" "$STEP_TIMEOUT" --routing "$r" --modes "$modes"
         [ -z "$first" ] && first=$r
       done
       if [ "$WARM" = 1 ] && [ -n "$first" ]; then
@@ -58,13 +69,14 @@ for part in $PARTS; do
       fi ;;
     small)
       for r in $SMALL_ROUTINGS; do
-        bench "small_$r" 200 --routing "$r" --modes eager,compile,fxoverlap --iters 20 \
+        bench "small_$r" 200 --routing "$r" --modes "$SMALL_MODES" --iters 20 \
           --layers 2 --dim 1024 --heads 8 --experts 8 --top-k 2 --expert-dim 512 --vocab 8192 --seq 1024 \
           --microbatches 4 --overlap-config cuda_graphs=1
       done ;;
     checks)
       say "step gpu_checks numerics"
       timeout 300 torchrun --standalone --nproc-per-node 1 scripts/gpu_checks.py --checks numerics --small \
+        --routings "$CHECK_ROUTINGS" \
         --out "$OUT/gpu_checks.jsonl" >"$OUT/gpu_checks.log" 2>&1 || say "gpu_checks failed (rc $?)"
       grep "^CHECK" "$OUT/gpu_checks.log" | cut -c1-400 | tee -a "$LOG"
       say "step gpu_cudagraph_check"

@@ -27,7 +27,7 @@ import fxoverlap
 from fxoverlap import program_ops
 from fxoverlap.meta import STEP_KEY
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.testing import grad_diff
+from fxoverlap.testing import grad_diff, token_batches
 
 
 def _count(moe: nn.Module, router: nn.Module, args, out) -> None:
@@ -64,9 +64,7 @@ def _build(cfg: MoEConfig) -> _WithStatistics:
 
 
 def _batches(n: int, vocab: int):
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g))
-            for _ in range(n)]
+    return token_batches(vocab, n, seed=5)
 
 
 def _mutate_order(program) -> list[tuple[int, tuple[str, ...]]]:

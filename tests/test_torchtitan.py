@@ -3,7 +3,7 @@
 The models, their MoE (``tokens_per_expert_E`` counted in every training forward),
 their token dispatcher and, on 2 gloo ranks, their expert parallelism
 (``model.parallelize(ParallelDims(ep=2, spmd_backend="partial_dtensor"))``: expert
-weights are ``Shard(0)`` DTensors) are torchtitan's own; ``titan_real.py`` lists the
+weights are ``Shard(0)`` DTensors) are torchtitan's own; ``support/titan_real.py`` lists the
 two test-side changes (SDPA attention on CPU; a CPU mesh). Against eager on the same
 model and data (``loss.backward()`` per microbatch), 3 microbatches: losses, every
 gradient (its kind too: DTensor placements and mesh) and every buffer are bitwise

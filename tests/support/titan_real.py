@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import fxoverlap
 from fxoverlap.passes.capture import CaptureError
+from fxoverlap.testing import token_batches
 
 VOCAB = 64
 _INIT = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
@@ -118,8 +119,8 @@ def next_token_loss(logits, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def batches(rank: int, n: int, shape=(2, 16)) -> list[tuple[torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randint(0, VOCAB, shape, generator=g),) for _ in range(n)]
+    """This rank's microbatches: tokens only (the loss predicts each next token)."""
+    return [(tokens,) for tokens, _ in token_batches(VOCAB, n, shape, seed=100 + rank)]
 
 
 def _local(t):
