@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 COMPILERS = ("inductor", "eager")
+GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,14 @@ class OverlapConfig:
         record_memory: keep a per-step trace of live values and bytes
             (``engine.memory_trace``); for tests and debugging.
         progress: print a line per compiled stage and the compile time (rank 0).
+        grad_reduce: with ``optimize(..., dp_group=...)``, how the program reduces
+            gradients over the data-parallel groups (``docs/data_parallel.md``):
+            ``"all_reduce"``: every rank's ``p.grad`` is the averaged gradient;
+            ``"reduce_scatter"``: each rank keeps only its shard of it (ZeRO-2),
+            handed to the optimizer by ``engine.shard_parameters()``.
+        reduce_bucket_mb: gradients are reduced in flat buckets of at least this
+            many MiB (25, as DDP's ``bucket_cap_mb``), each issued as soon as its
+            gradients are final; ``0``: one bucket per backward stage and group.
     """
 
     compiler: Literal["inductor", "eager"] | None = None
@@ -59,6 +68,8 @@ class OverlapConfig:
     mhc_recompute_group: int | None = None
     record_memory: bool = False
     progress: bool = True
+    grad_reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
+    reduce_bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.compiler is not None and self.compiler not in COMPILERS:
@@ -68,6 +79,10 @@ class OverlapConfig:
                 f"OverlapConfig.mhc_recompute_group must be >= 1 (or None for no recompute), "
                 f"got {self.mhc_recompute_group}"
             )
+        if self.grad_reduce not in GRAD_REDUCE_MODES:
+            raise ValueError(f"OverlapConfig.grad_reduce must be one of {GRAD_REDUCE_MODES}, got {self.grad_reduce!r}")
+        if not self.reduce_bucket_mb >= 0:
+            raise ValueError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
 
     def resolved_compiler(self, device_type: str) -> str:
         """The compiler for a model whose parameters live on ``device_type``."""
