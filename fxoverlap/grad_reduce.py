@@ -17,8 +17,8 @@ rank holds only the shard of each bucket it owns (layout: ``passes/reduce.py``),
 ``.grad`` of :meth:`GradReduction.shard_parameters`' views, which an optimizer steps;
 :meth:`GradReduction.gather_parameters` then all-gathers the updated shards.
 
-Everything is ``torch.distributed``: ``all_reduce`` / ``reduce_scatter_tensor`` with
-``async_op=True`` on flat buffers, ``all_gather_into_tensor`` for the parameters.
+Everything is ``torch.distributed``: ``all_reduce`` / ``reduce_scatter_single`` (``reduce_scatter_tensor``
+before torch 2.13) with ``async_op=True`` on flat buffers, ``all_gather_single`` for the parameters.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ import torch.nn as nn
 
 from fxoverlap.passes.capture import Capture
 from fxoverlap.passes.reduce import Bucket
+
+# torch 2.13 names them reduce_scatter_single / all_gather_single (the old names warn);
+# an older torch (the GPU machine has 2.11) may have only reduce_scatter_tensor / all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # ---------------------------------------------------------------- groups
 
@@ -194,7 +199,7 @@ class GradReduction:
             digest = hashlib.sha256(repr(_layout([b for b in buckets if b.role == role])).encode()).digest()
             mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)
             every = torch.empty(len(ranks), dtype=torch.int64, device=device)
-            dist.all_gather_into_tensor(every, mine, group=group)
+            all_gather_single(every, mine, group=group)
             if (every != mine).any():
                 raise RuntimeError(
                     f"fxoverlap: the ranks {list(ranks)} of the {role} parameters' group bucket their "
@@ -238,7 +243,7 @@ class GradReduction:
 
     def gather_parameters(self) -> None:
         """After the optimizer stepped this rank's shards: all-gather every bucket, so each
-        rank holds the updated parameters (``all_gather_into_tensor``, blocking)."""
+        rank holds the updated parameters (``all_gather_single``; returns when done)."""
         self.shard_parameters()
         pending = []
         for b in self.buckets:
@@ -249,7 +254,7 @@ class GradReduction:
                 full[s.offset:s.offset + s.numel].copy_(self._params[s.param].detach().view(-1))
             if group is not None and len(ranks) > 1:
                 start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
-                pending.append(dist.all_gather_into_tensor(full, full[start:stop].clone(), group=group,
+                pending.append(all_gather_single(full, full[start:stop].clone(), group=group,
                                                            async_op=True))
             pending.append((b, full))
         for item in pending:
@@ -293,7 +298,7 @@ class BucketReducer:
             else:
                 start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
                 out = flat.new_empty(stop - start)
-                work = dist.reduce_scatter_tensor(out, flat, group=group, async_op=True)
+                work = reduce_scatter_single(out, flat, group=group, async_op=True)
         elif self.owner.mode == "reduce_scatter":
             out = flat  # a one-rank group owns the whole bucket
         if self.trace is not None:

@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxoverlap
+from fxoverlap.grad_reduce import reduce_scatter_single
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.program_ops import finish_reduce, reduce_grads
-from fxoverlap.testing import eager_steps, take_grads
+from fxoverlap.testing import eager_steps, share_plans, take_grads
 from numerics_cases import make_batches
 
 EXPERT_NAMES = ("moe.experts.", "moe.w_in", "moe.w_out")  # MoETransformer's and TitanTransformer's
@@ -69,7 +70,7 @@ def reduce_flat_by_hand(local: dict[str, torch.Tensor], buckets, edp, mode: str)
         else:  # the rank's shard, placed back into the bucket (the rest stays unreduced)
             start, stop = b.shard(dist.get_rank(group), n)
             shard = flat.new_empty(stop - start)
-            dist.reduce_scatter_tensor(shard, flat, group=group)
+            reduce_scatter_single(shard, flat, group=group)
             flat[start:stop] = shard
         flat.div_(dist.get_world_size())
         for s in b.slots:
@@ -130,16 +131,6 @@ def order_facts(program) -> dict:
     )
 
 
-def share_plans(src, dst) -> None:
-    """Let engine ``dst`` reuse ``src``'s captures and stages (it builds its own programs and
-    runners), to spare the tests a capture: a plan depends on the model's structure, the
-    input signature and the stage options only (parameters are looked up by name at each
-    run), and the reduce mode is not among them."""
-    from fxoverlap.engine import Plan
-
-    dst._plans = {k: Plan(p.capture, p.stages) for k, p in src._plans.items()}
-
-
 def numerics(rank: int, world: int, models: list[str], ns: list[int]) -> list[dict]:
     """forward_backward with in-program reduction vs eager + manual reduction, per case."""
     ep, edp = groups()
@@ -149,7 +140,8 @@ def numerics(rank: int, world: int, models: list[str], ns: list[int]) -> list[di
             first = None
             for mode in ("all_reduce", "reduce_scatter"):
                 model, vocab = make_model(name, ep)
-                cfg = fxoverlap.OverlapConfig(delay_wgrad=delay, grad_reduce=mode, reduce_bucket_mb=0)
+                cfg = fxoverlap.OverlapConfig(delay_wgrad=delay, grad_reduce=mode, reduce_bucket_mb=0,
+                                              record_memory=True)
                 engine = fxoverlap.optimize(model, ep, cfg, dp_group=dist.group.WORLD, expert_dp_group=edp)
                 if first is None:
                     first = engine
@@ -177,6 +169,7 @@ def numerics(rank: int, world: int, models: list[str], ns: list[int]) -> list[di
                         row["shard_elements"] = sum(t.numel() for t in got.values())
                         for v in engine.shard_parameters():
                             v.grad = None
+                    row["leftover"] = engine.leftover  # values the stores still hold at the end
                     row["buckets"] = len(prog.meta["buckets"])
                     row["reduce_nodes"] = sum(1 for x in prog.graph.nodes if x.target is reduce_grads)
                     row["finish_nodes"] = sum(1 for x in prog.graph.nodes if x.target is finish_reduce)
@@ -185,6 +178,28 @@ def numerics(rank: int, world: int, models: list[str], ns: list[int]) -> list[di
                 if name == "moe" and not delay:
                     out.append(dict(model=name, mode=mode, grad_table=engine.grad_table()))
     return out
+
+
+def ep1_dp4(rank: int, world: int) -> dict:
+    """EP 1 x DP 4 (every expert on every rank): expert_dp_group defaults to dp_group, and the
+    default bucket size (25 MiB: one bucket per role for this model)."""
+    torch.manual_seed(0)
+    cfg = MoEConfig.tiny(shared_expert_dim=32)
+    model = MoETransformer(cfg, None)
+    engine = fxoverlap.optimize(model, None, dp_group=dist.group.WORLD)
+    mbs = make_batches(rank, cfg.vocab_size, 2)
+    eager_steps(model, mbs)
+    local = take_grads(model)
+    ref = {}
+    for name, g in local.items():
+        g = g.clone()
+        dist.all_reduce(g)
+        ref[name] = g.div_(world)
+    engine.forward_backward(mbs)
+    row = _compare(take_grads(model), ref)
+    row["roles"] = [b.role for b in engine.program.meta["buckets"]]
+    row["table"] = engine.grad_table()
+    return row
 
 
 def train_steps(rank: int, world: int, steps: int = 2) -> dict:
@@ -300,6 +315,7 @@ def bad_groups(rank: int, world: int) -> dict:
 def everything(rank: int, world: int) -> dict:
     """One 4-rank spawn for all the data-parallel tests."""
     return dict(numerics=numerics(rank, world, ["moe", "titan"], [1, 3]), train=train_steps(rank, world),
-                timeline=timeline(rank, world), errors=bad_groups(rank, world))
+                ep1=ep1_dp4(rank, world), timeline=timeline(rank, world), errors=bad_groups(rank, world))
+
 
 

@@ -52,6 +52,7 @@ def test_gradients_match_eager_plus_manual_reduction(model, delay_wgrad, mode, n
         assert r["bitwise"]["expert"], r  # 2-rank sums
         assert r["flat_bitwise"] == {"expert": True, "dense": True}, r
         assert r["buckets"] == r["reduce_nodes"] == r["finish_nodes"] > 0, r
+        assert r["leftover"] == {}, r  # the free pass dropped every gradient and pending reduction
         if mode == "reduce_scatter":
             assert r["p_grad_left"] == [], r  # ZeRO-2: no full gradient is kept
             assert r["shard_elements"] > 0, r
@@ -87,6 +88,15 @@ def test_grad_table_names_the_group_of_every_parameter():
             else:
                 assert "dense   dp_group         [0, 1, 2, 3]" in line, line
         assert "layers.1.moe.experts.w1" in rows and "tok_embeddings.weight" in rows
+
+
+def test_ep1_every_parameter_over_dp_group():
+    for r in _everything():
+        e = r["ep1"]
+        assert e["missing"] == [] and e["diff"] <= 1e-6 * e["scale"], e
+        assert e["roles"] == ["dense", "expert"], e  # 25 MiB buckets: one per role here
+        assert "expert_dp_group" in e["table"] and "[0, 1, 2, 3]" in e["table"], e["table"]
+        assert all("[0, 1, 2, 3]" in ln for ln in e["table"].splitlines()[1:]), e["table"]
 
 
 def test_optimizer_step_on_shards_matches_full_step():
