@@ -119,9 +119,13 @@ class Engine:
 
     def plan(self, microbatches: Sequence, loss_fn: Callable | None = None) -> PlanView:
         """Capture and build (or reuse) what ``forward_backward(microbatches, loss_fn)`` would
-        run, without running it: the stages and the program."""
+        run, without running it: the stages and the program. With data parallelism it also
+        fixes the gradient buckets (so :meth:`shard_parameters` is known), checking with the
+        other ranks of each group that they bucket alike."""
         mbs = self._check(microbatches)
         plan = self._plan(mbs[0], loss_fn, train=True)
+        if self.grad_reduction is not None:
+            self._runner(plan, len(mbs))  # binds the buckets (every rank of the groups must call plan)
         return PlanView(plan.capture, plan.stages, self._program(plan, len(mbs)))
 
     # ---------------------------------------------------------------- running

@@ -211,11 +211,16 @@ def train_steps(rank: int, world: int, steps: int = 2) -> dict:
     ref_model, vocab = make_model("moe", ep)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     runs = {}
+    first = make_batches(rank, vocab, 2, seed=10)
     for mode in ("all_reduce", "reduce_scatter"):
         model, _ = make_model("moe", ep)
         cfg = fxoverlap.OverlapConfig(grad_reduce=mode, reduce_bucket_mb=0)
         engine = fxoverlap.optimize(model, ep, cfg, dp_group=dist.group.WORLD, expert_dp_group=edp)
-        runs[mode] = (model, engine, None)
+        if runs:
+            share_plans(runs["all_reduce"][1], engine)
+        engine.plan(first)  # capture and bucket before the first step: the shards are known
+        params = model.parameters() if mode == "all_reduce" else engine.shard_parameters()
+        runs[mode] = (model, engine, torch.optim.SGD(params, lr=0.1, momentum=0.9))
     worst = {mode: 0.0 for mode in runs}
     for step in range(steps):
         mbs = make_batches(rank, vocab, 2, seed=10 + step)
@@ -225,13 +230,7 @@ def train_steps(rank: int, world: int, steps: int = 2) -> dict:
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         for mode, (model, engine, opt) in runs.items():
-            if mode == "reduce_scatter" and step == 0:
-                share_plans(runs["all_reduce"][1], engine)
             engine.forward_backward(mbs)
-            if opt is None:  # the shards are known after the first step
-                params = model.parameters() if mode == "all_reduce" else engine.shard_parameters()
-                opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-                runs[mode] = (model, engine, opt)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if mode == "reduce_scatter":
