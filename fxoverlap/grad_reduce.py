@@ -165,27 +165,31 @@ class GradReduction:
 
     def __init__(self, groups: ReduceGroups, mode: str):
         self.groups, self.mode = groups, mode
-        self.layout: tuple | None = None  # the bucket layout (the same for every program)
+        self.layout: tuple | None = None  # reduce_scatter: the bucket layout the shards follow
         self.buckets: tuple[Bucket, ...] = ()
         self._params: dict[str, nn.Parameter] = {}
         self._pieces: list[ShardPiece] = []
+        self._checked: set[tuple] = set()  # layouts the ranks of each group agreed on
 
     def bind(self, buckets: Sequence[Bucket], capture: Capture, model: nn.Module) -> BucketReducer:
         """The runtime of one program's reduction nodes."""
         layout = _layout(buckets)
-        if self.layout is None:
+        if layout not in self._checked:
             params = dict(model.named_parameters(remove_duplicate=False))
-            self._params = {s.param: params[s.param] for b in buckets for s in b.slots}
-            self._check_same_layout_on_every_rank(buckets, next(iter(self._params.values())).device)
-            self.layout, self.buckets = layout, tuple(buckets)
-            if self.mode == "reduce_scatter":
+            self._params.update({s.param: params[s.param] for b in buckets for s in b.slots})
+            if buckets:
+                self._check_same_layout_on_every_rank(buckets, self._params[buckets[0].slots[0].param].device)
+            self._checked.add(layout)
+        if self.mode == "reduce_scatter":
+            if self.layout is None:
+                self.layout, self.buckets = layout, tuple(buckets)
                 self._pieces = self._make_pieces()
-        elif layout != self.layout:
-            raise RuntimeError(
-                "fxoverlap: the gradient buckets of this input signature differ from the first one's "
-                "(another capture gave other gradients); the shard layout must stay fixed: use one "
-                "engine per model structure"
-            )
+            elif layout != self.layout:
+                raise RuntimeError(
+                    "fxoverlap: the gradient buckets of this input signature differ from the first one's "
+                    "(another capture gave other gradients); the shards an optimizer holds must stay "
+                    "fixed: use one engine per model structure"
+                )
         return BucketReducer(self, tuple(buckets), {v: self._params[p] for v, p in capture.grads.items()
                                                      if p in self._params})
 
