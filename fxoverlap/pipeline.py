@@ -60,7 +60,7 @@ def build_program(stages: list[Stage], capture: Capture, num_microbatches: int, 
     ``reduce_grads``, it also reduces the gradients over the data-parallel groups."""
     program = schedule(stages, capture, num_microbatches, forward_only=forward_only)
     if reduce_grads and not forward_only:
-        program = reduce(program, stages, capture, bucket_bytes=int(config.reduce_bucket_mb * 2**20))
+        program = reduce(program, capture, bucket_bytes=int(config.reduce_bucket_mb * 2**20))
     program = streams(program)
     if config.free_early:
         program = free(program, stages, capture)

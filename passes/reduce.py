@@ -4,14 +4,15 @@ Contract
 --------
 Assumes: ``schedule`` ran on a training program of N microbatches (every stage call and
 sink carries a ``Step``); ``streams`` and ``free`` have not run yet: they add the events
-and frees of the nodes placed here like those of any other node.
+and frees of the nodes placed here like those of any other node. The capture's joint
+graph carries the tags ``tag`` gave it (which stage kind reads each parameter).
 
 Guarantees:
 
 - every parameter gradient the capture names is in exactly one :class:`Bucket`. A
   bucket holds one *role* and one dtype: ``"expert"`` parameters (read by experts
-  stages only: the runtime reduces them over ``expert_dp_group``) or ``"dense"`` ones
-  (everything else, reduced over ``dp_group``);
+  stages only, directly or through ops of the parameter alone: the runtime reduces them
+  over ``expert_dp_group``) or ``"dense"`` ones (everything else, over ``dp_group``);
 - for each bucket, the accumulate of the last microbatch (N-1) is taken out of the
   ``accumulate`` nodes and done by one ``reduce_grads(N-1, b, *values)`` node, on the
   comm stream, placed right after the node at which the bucket's last gradient became
@@ -41,7 +42,7 @@ start or end inside a gradient, and a gradient may span shards.
 
 Steps
 -----
-1. Role of each parameter: the kinds of the stages that read its placeholder.
+1. Role of each parameter: the stage kinds of the nodes that read it (:func:`parameter_roles`).
 2. The last microbatch's ``accumulate`` nodes, in program order.
 3. Buckets: append each node's gradients to the open bucket of their role and dtype;
    close the buckets that reached ``bucket_bytes`` there (the rest after the last node).
@@ -49,7 +50,7 @@ Steps
    values taken out of the accumulate nodes (a node left with none is removed), and the
    ``finish_reduce`` nodes before the program's output.
 
-Entry point: ``reduce(program, stages, capture, bucket_bytes) -> GraphModule``.
+Entry point: ``reduce(program, capture, bucket_bytes) -> GraphModule``.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ import torch
 import torch.fx
 
 from fxoverlap import program_ops
-from fxoverlap.meta import STEP_KEY
+from fxoverlap.meta import STEP_KEY, TAG_KEY
 from fxoverlap.passes.capture import Capture
 from fxoverlap.program_ops import Step, bucket_value, steps
-from fxoverlap.stage import Stage, StageKind, StreamKind
+from fxoverlap.stage import StageKind, StreamKind
 
 ALIGN = 64  # elements: each gradient's offset in a flat buffer is a multiple of this
 ROLES = ("dense", "expert")
@@ -112,15 +113,32 @@ class Bucket:
         return rank * size, (rank + 1) * size
 
 
-def parameter_roles(stages: list[Stage], capture: Capture) -> dict[str, str]:
-    """``"expert"`` for each parameter (FQN) read only by experts stages, else ``"dense"``."""
-    kinds: dict[str, set[StageKind]] = {}
-    for s in stages:
-        for v in s.inputs:
-            fqn = capture.param_placeholders.get(v)
-            if fqn is not None:
-                kinds.setdefault(fqn, set()).add(s.kind)
-    return {fqn: "expert" if ks == {StageKind.EXPERTS} else "dense" for fqn, ks in kinds.items()}
+def parameter_roles(capture: Capture) -> dict[str, str]:
+    """``"expert"`` for each parameter (FQN) that only experts stages read, else ``"dense"``.
+
+    Read on the tagged joint graph (``tag`` ran): the readers of a parameter are the
+    first nodes that combine it with other data, following the ops that compute from
+    the parameter alone (a transpose, a view or a cast, which ``tag`` may place in an
+    attn stage because they do not depend on the dispatch).
+    """
+    roles = {}
+    for ph in capture.graph_module.graph.find_nodes(op="placeholder"):
+        fqn = capture.param_placeholders.get(ph.name)
+        if fqn is None:
+            continue
+        own, kinds, todo = {ph}, set(), [ph]  # own: nodes computed from this parameter alone
+        while todo:
+            for user in todo.pop().users:
+                if user.op == "output" or user in own:
+                    continue
+                if all(i in own for i in user.all_input_nodes):
+                    own.add(user)
+                    todo.append(user)
+                else:
+                    tag = user.meta.get(TAG_KEY)
+                    kinds.add(None if tag is None else tag.kind)
+        roles[fqn] = "expert" if kinds == {StageKind.EXPERTS} else "dense"
+    return roles
 
 
 def _param_meta(capture: Capture) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -133,11 +151,10 @@ def _param_meta(capture: Capture) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     return out
 
 
-def reduce(program: torch.fx.GraphModule, stages: list[Stage], capture: Capture,
-           bucket_bytes: int) -> torch.fx.GraphModule:
+def reduce(program: torch.fx.GraphModule, capture: Capture, bucket_bytes: int) -> torch.fx.GraphModule:
     graph = program.graph
     last = program.meta["num_microbatches"] - 1
-    roles = parameter_roles(stages, capture)
+    roles = parameter_roles(capture)
     meta = _param_meta(capture)
 
     # 2. when each gradient is final: the last microbatch's accumulate nodes, in order

@@ -14,18 +14,21 @@ equal, which shows that the order is the only difference.
 
 from __future__ import annotations
 
+import functools
+
 import expecttest
 import pytest
 import torch
 
 import dp_cases
+import fxoverlap
 from fxoverlap.passes.free import free
 from fxoverlap.passes.reduce import ALIGN, parameter_roles, reduce
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
 from fxoverlap.testing import run_distributed
 from snapshot_utils import render_program, requires_pinned_torch
-from test_snapshots import _stages
+from test_snapshots import _stages as _build_stages
 
 _RESULTS: list = []
 
@@ -156,11 +159,17 @@ def test_bad_groups_fail_at_optimize():
 # ---------------------------------------------------------------- single rank
 
 
+@functools.cache
+def _stages():
+    return _build_stages()
+
+
+
 def test_roles_and_layout():
     cap, _, stages = _stages()
-    roles = parameter_roles(stages, cap)
+    roles = parameter_roles(cap)
     assert {k for k, v in roles.items() if v == "expert"} == {f"layers.0.moe.experts.w{i}" for i in (1, 2, 3)}
-    program = reduce(schedule(stages, cap, 2), stages, cap, bucket_bytes=25 * 2**20)
+    program = reduce(schedule(stages, cap, 2), cap, bucket_bytes=25 * 2**20)
     buckets = program.meta["buckets"]
     assert [b.role for b in buckets] == ["dense", "expert"]  # a small model: one bucket per role
     for b in buckets:
@@ -172,13 +181,28 @@ def test_roles_and_layout():
     assert {s.param for b in buckets for s in b.slots} == set(cap.grads.values())
 
 
+def test_roles_of_hugging_face_experts():
+    """Hugging Face experts transpose their stacked weights before the dispatch, so the
+    transpose lands in an attn stage: the roles follow such ops to the experts stage."""
+    pytest.importorskip("transformers")
+    import hf_cases
+    from fxoverlap.passes import capture, tag
+
+    model = fxoverlap.expert_parallel(hf_cases.build("qwen3_moe"), None)
+    cap = capture(model, (hf_cases.batches(0, n=1)[0],), hf_cases.next_token_loss)
+    tag(cap)
+    roles = parameter_roles(cap)
+    experts = {k for k, v in roles.items() if v == "expert"}
+    assert experts == {k for k in roles if ".mlp.experts." in k} and experts, roles
+
+
 @requires_pinned_torch
 class TestReduceSnapshots(expecttest.TestCase):
     def test_program_with_reductions(self):
         """2 microbatches, one bucket per backward stage and role: B0 accumulates into p.grad
         as before; B1's gradients go to reduce_grads right after their stage."""
         cap, _, stages = _stages()
-        program = reduce(schedule(stages, cap, 2), stages, cap, bucket_bytes=0)
+        program = reduce(schedule(stages, cap, 2), cap, bucket_bytes=0)
         text = render_program(program)
         self.assertExpectedInline(text[text.index("B0_model_embed ="):], """\
 B0_model_embed = self.bwd_model_embed(0)
@@ -209,7 +233,7 @@ finish_bucket5 = fxoverlap_program_finish_reduce(1, 5)""")
         """One microbatch: the comm stream waits for the stage that computed a bucket's
         gradients; the compute stream waits for the comm stream before the finish nodes."""
         cap, _, stages = _stages()
-        program = free(streams(reduce(schedule(stages, cap, 1), stages, cap, bucket_bytes=0)), stages, cap)
+        program = free(streams(reduce(schedule(stages, cap, 1), cap, bucket_bytes=0)), stages, cap)
         text = render_program(program)
         self.assertExpectedInline(text[text.index("B0_l1_attn ="):], """\
 B0_l1_attn = self.bwd_l1_attn(0)
