@@ -56,6 +56,7 @@ Entry point: ``reduce(program, capture, bucket_bytes) -> GraphModule``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.fx
@@ -67,7 +68,6 @@ from fxoverlap.program_ops import Step, bucket_value, steps
 from fxoverlap.stage import StageKind, StreamKind
 
 ALIGN = 64  # elements: each gradient's offset in a flat buffer is a multiple of this
-ROLES = ("dense", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +100,7 @@ class Bucket:
     @property
     def numel(self) -> int:
         """Elements up to the end of the last gradient."""
-        last = self.slots[-1]
-        return last.offset + last.numel
+        return _end(self.slots)
 
     def padded_numel(self, ranks: int) -> int:
         """The flat buffer's length for a group of ``ranks``: a multiple of ``ranks``."""
@@ -113,26 +112,37 @@ class Bucket:
         return rank * size, (rank + 1) * size
 
 
+def _end(slots: Sequence[GradSlot]) -> int:
+    return slots[-1].offset + slots[-1].numel
+
+
 def parameter_roles(capture: Capture) -> dict[str, str]:
     """``"expert"`` for each parameter (FQN) that only experts stages read, else ``"dense"``.
 
-    Read on the tagged joint graph (``tag`` ran): the readers of a parameter are the
-    first nodes that combine it with other data, following the ops that compute from
-    the parameter alone (a transpose, a view or a cast, which ``tag`` may place in an
-    attn stage because they do not depend on the dispatch).
+    Read on the tagged joint graph (``tag`` ran). The readers of a parameter are the
+    first nodes that combine it with per-microbatch data, following the ops that compute
+    from parameters and buffers alone (a transpose, a cast, a stack of two weights),
+    which ``tag`` may place in an attn stage because they do not depend on the dispatch.
     """
+    graph = capture.graph_module.graph
+    static = capture.static_placeholders
+    weights_only: set[torch.fx.Node] = set()  # nodes computed from parameters and buffers alone
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name in static) or n.op == "get_attr" or (
+                n.op == "call_function" and all(i in weights_only for i in n.all_input_nodes)):
+            weights_only.add(n)
     roles = {}
-    for ph in capture.graph_module.graph.find_nodes(op="placeholder"):
+    for ph in graph.find_nodes(op="placeholder"):
         fqn = capture.param_placeholders.get(ph.name)
         if fqn is None:
             continue
-        own, kinds, todo = {ph}, set(), [ph]  # own: nodes computed from this parameter alone
+        seen, kinds, todo = {ph}, set(), [ph]
         while todo:
             for user in todo.pop().users:
-                if user.op == "output" or user in own:
+                if user in seen or user.op == "output":
                     continue
-                if all(i in own for i in user.all_input_nodes):
-                    own.add(user)
+                seen.add(user)
+                if user in weights_only:
                     todo.append(user)
                 else:
                     tag = user.meta.get(TAG_KEY)
@@ -154,7 +164,7 @@ def _param_meta(capture: Capture) -> dict[str, tuple[tuple[int, ...], torch.dtyp
 def reduce(program: torch.fx.GraphModule, capture: Capture, bucket_bytes: int) -> torch.fx.GraphModule:
     graph = program.graph
     last = program.meta["num_microbatches"] - 1
-    roles = parameter_roles(capture)
+    roles = parameter_roles(capture)  # 1.
     meta = _param_meta(capture)
 
     # 2. when each gradient is final: the last microbatch's accumulate nodes, in order
@@ -179,10 +189,9 @@ def reduce(program: torch.fx.GraphModule, capture: Capture, bucket_bytes: int) -
             shape, dtype = meta[fqn]
             key = (roles[fqn], dtype)
             slots = open_.setdefault(key, [])
-            offset = 0 if not slots else -(-(slots[-1].offset + slots[-1].numel) // ALIGN) * ALIGN
+            offset = 0 if not slots else -(-_end(slots) // ALIGN) * ALIGN
             slots.append(GradSlot(fqn, v, shape, offset))
-        for key in [k for k, slots in open_.items()
-                    if (slots[-1].offset + slots[-1].numel) * k[1].itemsize >= bucket_bytes]:
+        for key in [k for k, slots in open_.items() if _end(slots) * k[1].itemsize >= bucket_bytes]:
             close(key, node)
             closing.setdefault(node, []).append(buckets[-1].index)
     for key in list(open_):  # what is left closes after the last gradient's node
