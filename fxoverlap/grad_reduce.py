@@ -141,7 +141,7 @@ class Pending:
 
     bucket: Bucket
     work: object | None  # the c10d Work, None for a one-rank group
-    flat: torch.Tensor  # the bucket's flat buffer (reduced in place by all_reduce)
+    flat: torch.Tensor  # the bucket's flat buffer (reduced in place by all_reduce; kept until done)
     out: torch.Tensor  # what the reduction leaves: flat (all_reduce) or this rank's shard
 
 
@@ -215,7 +215,7 @@ class GradReduction:
     def _make_pieces(self) -> list[ShardPiece]:
         pieces = []
         for b in self.buckets:
-            group, ranks = self.groups.of(b.role)
+            _, ranks = self.groups.of(b.role)
             start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
             for s in b.slots:
                 lo, hi = max(start, s.offset), min(stop, s.offset + s.numel)
@@ -249,25 +249,23 @@ class GradReduction:
         """After the optimizer stepped this rank's shards: all-gather every bucket, so each
         rank holds the updated parameters (``all_gather_single``; returns when done)."""
         self.shard_parameters()
-        pending = []
+        gathers = []
         for b in self.buckets:
             group, ranks = self.groups.of(b.role)
+            if group is None or len(ranks) == 1:
+                continue  # this rank's shard is the whole bucket: the optimizer updated it in place
+            start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
             device = self._params[b.slots[0].param].device
-            full = torch.zeros(b.padded_numel(len(ranks)), dtype=b.dtype, device=device)
+            mine = torch.zeros(stop - start, dtype=b.dtype, device=device)
+            for piece in self._pieces:
+                if piece.bucket == b.index:
+                    mine[piece.shard_offset:piece.shard_offset + piece.view.numel()].copy_(piece.view.detach())
+            full = torch.empty(b.padded_numel(len(ranks)), dtype=b.dtype, device=device)
+            gathers.append((b, full, all_gather_single(full, mine, group=group, async_op=True)))
+        for b, full, work in gathers:
+            work.wait()
             for s in b.slots:
-                full[s.offset:s.offset + s.numel].copy_(self._params[s.param].detach().view(-1))
-            if group is not None and len(ranks) > 1:
-                start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
-                pending.append(all_gather_single(full, full[start:stop].clone(), group=group,
-                                                           async_op=True))
-            pending.append((b, full))
-        for item in pending:
-            if isinstance(item, tuple):
-                b, full = item
-                for s in b.slots:
-                    self._params[s.param].detach().view(-1).copy_(full[s.offset:s.offset + s.numel])
-            else:
-                item.wait()
+                self._params[s.param].detach().view(-1).copy_(full[s.offset:s.offset + s.numel])
 
 
 class BucketReducer:
