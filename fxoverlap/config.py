@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 COMPILERS = ("inductor", "eager")
 DISPATCHERS = ("auto", "all_to_all", "padded", "symm_mem")
+GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,14 @@ class OverlapConfig:
             carry every row a rank could send it (never overflows). A factor ``f``:
             ``f`` times the balanced share (``rows sent / ep``), saving memory; a step
             that needs more raises ``DispatchOverflow`` with ``p.grad`` as before it.
+        grad_reduce: with ``optimize(..., dp_group=...)``, how the program reduces
+            gradients over the data-parallel groups (``docs/data_parallel.md``):
+            ``"all_reduce"``: every rank's ``p.grad`` is the averaged gradient;
+            ``"reduce_scatter"``: each rank keeps only its shard of it (ZeRO-2),
+            handed to the optimizer by ``engine.shard_parameters()``.
+        reduce_bucket_mb: gradients are reduced in flat buckets of at least this
+            many MiB (25, as DDP's ``bucket_cap_mb``), each issued as soon as its
+            gradients are final; ``0``: one bucket per backward stage and group.
     """
 
     compiler: Literal["inductor", "eager"] | None = None
@@ -72,6 +81,8 @@ class OverlapConfig:
     progress: bool = True
     dispatcher: Literal["auto", "all_to_all", "padded", "symm_mem"] = "auto"
     dispatch_capacity_factor: float | None = None
+    grad_reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
+    reduce_bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.dispatcher not in DISPATCHERS:
@@ -88,6 +99,10 @@ class OverlapConfig:
                 f"OverlapConfig.mhc_recompute_group must be >= 1 (or None for no recompute), "
                 f"got {self.mhc_recompute_group}"
             )
+        if self.grad_reduce not in GRAD_REDUCE_MODES:
+            raise ValueError(f"OverlapConfig.grad_reduce must be one of {GRAD_REDUCE_MODES}, got {self.grad_reduce!r}")
+        if not self.reduce_bucket_mb >= 0:
+            raise ValueError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
 
     def resolved_compiler(self, device_type: str) -> str:
         """The compiler for a model whose parameters live on ``device_type``."""

@@ -14,7 +14,9 @@ import torch.nn as nn
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.dispatch_ops import overflow_guard
+from fxoverlap.grad_reduce import GradReduction, check_groups
 from fxoverlap.passes.capture import Capture, capture, input_signature
+from fxoverlap.passes.reduce import Bucket
 from fxoverlap.pipeline import build_program, build_stages
 from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
 from fxoverlap.stage import Stage
@@ -64,9 +66,16 @@ def _check_expert_split(model: nn.Module, ep_group: dist.ProcessGroup | None) ->
 class Engine:
     """Runs a model's train steps as fxoverlap programs. Build with :func:`optimize`."""
 
-    def __init__(self, model: nn.Module, ep_group: dist.ProcessGroup | None, config: OverlapConfig):
+    def __init__(self, model: nn.Module, ep_group: dist.ProcessGroup | None, config: OverlapConfig,
+                 dp_group: dist.ProcessGroup | None = None, expert_dp_group: dist.ProcessGroup | None = None):
         _check_expert_split(model, ep_group)
         self.model, self.ep_group, self.config = model, ep_group, config
+        groups = check_groups(ep_group, dp_group, expert_dp_group)
+        if groups is None and config.grad_reduce != "all_reduce":
+            raise ValueError(f"fxoverlap.optimize: OverlapConfig(grad_reduce={config.grad_reduce!r}) needs "
+                             f"dp_group (the ranks the gradients are reduced over)")
+        # data parallelism: the gradient reductions inside the program (None: p.grad stays local)
+        self.grad_reduction = None if groups is None else GradReduction(groups, config.grad_reduce)
         self._plans: dict[tuple, Plan] = {}
         self._last: tuple[Plan, int] | None = None
         self.memory_trace: list[tuple[str, int, int]] = []
@@ -90,7 +99,8 @@ class Engine:
     def _program(self, plan: Plan, n: int, train: bool = True) -> torch.fx.GraphModule:
         prog = plan.programs.get(n)
         if prog is None:
-            prog = plan.programs[n] = build_program(plan.stages, plan.capture, n, self.config, forward_only=not train)
+            prog = plan.programs[n] = build_program(plan.stages, plan.capture, n, self.config, forward_only=not train,
+                                                    reduce_grads=train and self.grad_reduction is not None)
         return prog
 
     def _runner(self, plan: Plan, n: int, train: bool = True) -> ProgramRunner:
@@ -103,14 +113,20 @@ class Engine:
                 comm_stream_priority=self.config.comm_stream_priority,
                 cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, device),
                 record_memory=self.config.record_memory,
+                reducer=(self.grad_reduction.bind(prog.meta["buckets"], plan.capture, self.model)
+                         if train and self.grad_reduction is not None else None),
             )
         return runner
 
     def plan(self, microbatches: Sequence, loss_fn: Callable | None = None) -> PlanView:
         """Capture and build (or reuse) what ``forward_backward(microbatches, loss_fn)`` would
-        run, without running it: the stages and the program."""
+        run, without running it: the stages and the program. With data parallelism it also
+        fixes the gradient buckets (so :meth:`shard_parameters` is known), checking with the
+        other ranks of each group that they bucket alike."""
         mbs = self._check(microbatches)
         plan = self._plan(mbs[0], loss_fn, train=True)
+        if self.grad_reduction is not None:
+            self._runner(plan, len(mbs))  # binds the buckets (every rank of the groups must call plan)
         return PlanView(plan.capture, plan.stages, self._program(plan, len(mbs)))
 
     # ---------------------------------------------------------------- running
@@ -136,6 +152,9 @@ class Engine:
         Accumulates into ``p.grad`` exactly as ``for mb in microbatches:
         loss_fn(model(*mb), *mb).backward()`` would (``loss_fn=None``: the model's
         output is the loss). Buffers the forward updates in place end as eager leaves them.
+        With ``dp_group``, the program then reduces ``p.grad`` over the data-parallel
+        groups, overlapped with the last microbatch's backward (see :meth:`grad_table`);
+        every reduction has finished when this returns.
         """
         mbs = self._check(microbatches)
         plan = self._plan(mbs[0], loss_fn, train=True)
@@ -198,6 +217,33 @@ class Engine:
     def stage_table(self) -> str:
         return format_stage_table(self.stages)
 
+    def grad_table(self) -> str:
+        """One line per parameter gradient of the last ``forward_backward``: its role
+        (``expert``: read only by experts stages), the group it reduces over and that
+        group's ranks, its bucket, and the stage after which the bucket is issued."""
+        if self.grad_reduction is None:
+            return "no data parallelism: gradients stay local (optimize(..., dp_group=...) reduces them)"
+        if self._last is None:
+            return "no forward_backward yet"
+        buckets = self.program.meta["buckets"]
+        return format_grad_table(buckets, self.grad_reduction)
+
+    def shard_parameters(self) -> list[torch.Tensor]:
+        """``grad_reduce="reduce_scatter"``: this rank's shard of the gradient buckets, as leaf
+        views of the parameters whose ``.grad`` is the averaged gradient (give them to an
+        optimizer; then :meth:`gather_parameters`). Known after the first step."""
+        return self._reduction().shard_parameters()
+
+    def gather_parameters(self) -> None:
+        """``grad_reduce="reduce_scatter"``: all-gather the shards the optimizer stepped, so
+        every rank holds the updated parameters."""
+        self._reduction().gather_parameters()
+
+    def _reduction(self) -> GradReduction:
+        if self.grad_reduction is None:
+            raise RuntimeError("fxoverlap: no data parallelism (build the engine with optimize(..., dp_group=...))")
+        return self.grad_reduction
+
     def cuda_graph_summary(self) -> list[dict]:
         """Per program: graphs captured, stages graphed, copies, pools, stages that fell back to eager."""
         return self._cudagraphs.summaries()
@@ -215,18 +261,47 @@ def format_stage_table(stages: Sequence[Stage]) -> str:
         rows.append((s.name, str(s.layer), str(s.kind), str(s.direction), str(s.stream),
                      str(len(s.op_list())), str(len(s.inputs)), str(len(s.outputs)), s.runs_as,
                      "yes" if s.capturable else f"no: {s.not_capturable_reason.split(': ', 1)[-1]}"))
+    return _render(rows)
+
+
+def _render(rows: list[tuple[str, ...]]) -> str:
+    """Rows as aligned columns (the last one left ragged)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows
     )
 
 
+def format_grad_table(buckets: Sequence[Bucket], reduction: GradReduction) -> str:
+    """One line per gradient: parameter, role, group (and its ranks), bucket, issued after."""
+    rows = [("param", "role", "reduces over", "ranks", "bucket", "issued after")]
+    for b in buckets:
+        name = "expert_dp_group" if b.role == "expert" else "dp_group"
+        ranks = reduction.groups.of(b.role)[1]
+        for s in b.slots:
+            rows.append((s.param, b.role, name, str(list(ranks)), str(b.index), b.after))
+    return _render(rows)
+
+
 def optimize(
-    model: nn.Module, ep_group: dist.ProcessGroup | None = None, config: OverlapConfig | None = None
+    model: nn.Module,
+    ep_group: dist.ProcessGroup | None = None,
+    config: OverlapConfig | None = None,
+    *,
+    dp_group: dist.ProcessGroup | None = None,
+    expert_dp_group: dist.ProcessGroup | None = None,
 ) -> Engine:
     """Wrap ``model`` in an :class:`Engine` that runs interleaved 1F1B train steps.
 
     ``ep_group``: the expert-parallel process group the model's dispatch/combine
     use (NCCL on GPU, gloo on CPU), or None for one rank.
+
+    Data parallelism (``docs/data_parallel.md``): ``dp_group``, the ranks over which the
+    non-expert parameters are replicated (usually ``dist.group.WORLD``), and
+    ``expert_dp_group``, the ranks over which this rank's experts are replicated (the
+    same EP index in every EP group; may be left out with EP 1, or when ``ep_group`` is
+    all of ``dp_group``). The program then leaves in ``p.grad`` the gradient of the mean
+    loss over the DP ranks: dense parameters summed over ``dp_group``, experts over
+    ``expert_dp_group``, both divided by ``|dp_group|``. The groups are checked here.
     """
-    return Engine(model, ep_group, config or OverlapConfig())
+    return Engine(model, ep_group, config or OverlapConfig(), dp_group, expert_dp_group)

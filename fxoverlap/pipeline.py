@@ -1,11 +1,12 @@
 """The pass pipeline, in one place for both entry points (``optimize`` and the backend).
 
     capture ─ dispatcher ─ tag ─ side ─ recompute ─ split ─ cudagraph ─ inductor   (once per plan)
-    schedule ─ streams ─ free                                             (once per microbatch count)
+    schedule ─ [reduce] ─ streams ─ free                                            (once per microbatch count)
 
 ``cudagraph`` only chooses stages (``stage.graphed``), so it runs before
 ``inductor``, which compiles each compute stage whether it is graphed or not,
-and before ``free``, which reads the choice.
+and before ``free``, which reads the choice. ``reduce`` (data parallelism) places
+the gradient reductions before ``streams`` and ``free`` add their events and frees.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fxoverlap.passes.dispatcher import dispatcher
 from fxoverlap.passes.free import free
 from fxoverlap.passes.inductor import inductor
 from fxoverlap.passes.recompute import recompute
+from fxoverlap.passes.reduce import reduce
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.side import side
 from fxoverlap.passes.split import split
@@ -55,9 +57,13 @@ def build_stages(capture: Capture, config: OverlapConfig, device_type: str, trai
 
 
 def build_program(stages: list[Stage], capture: Capture, num_microbatches: int, config: OverlapConfig,
-                  forward_only: bool = False) -> torch.fx.GraphModule:
-    """The program that runs ``stages`` over ``num_microbatches`` microbatches."""
-    program = streams(schedule(stages, capture, num_microbatches, forward_only=forward_only))
+                  forward_only: bool = False, reduce_grads: bool = False) -> torch.fx.GraphModule:
+    """The program that runs ``stages`` over ``num_microbatches`` microbatches; with
+    ``reduce_grads``, it also reduces the gradients over the data-parallel groups."""
+    program = schedule(stages, capture, num_microbatches, forward_only=forward_only)
+    if reduce_grads and not forward_only:
+        program = reduce(program, capture, bucket_bytes=int(config.reduce_bucket_mb * 2**20))
+    program = streams(program)
     if config.free_early:
         program = free(program, stages, capture)
     return program

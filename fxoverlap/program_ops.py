@@ -7,9 +7,10 @@ A program is an FX graph emitted by ``passes/schedule.py`` and finished by
 * ``call_function`` on the markers below: the runtime (``fxoverlap.runtime``) has
   one method per marker; calling a marker directly does nothing.
 
-Every stage call and every ``output`` / ``accumulate`` / ``mutate`` node carries a
-:class:`Step` under ``node.meta[STEP_KEY]``: its microbatch, stream, and the
-values of that microbatch's store it reads and writes. The schedule records
+Every stage call and every ``output`` / ``accumulate`` / ``mutate`` /
+``reduce_grads`` / ``finish_reduce`` node carries a :class:`Step` under
+``node.meta[STEP_KEY]``: its microbatch, stream, and the values of that
+microbatch's store it reads and writes. The schedule records
 them once; ``streams``, ``free``, the CUDA-graph runtime, the benchmark and the
 backend read them (see :func:`steps`) instead of working them out again.
 """
@@ -72,7 +73,23 @@ def mutate(microbatch: int, *values: str) -> None:
     """Copy the new values of buffers (or inputs) the forward updates in place into them."""
 
 
-MARKERS = (record_event, wait_event, free, output, accumulate, mutate)
+def reduce_grads(microbatch: int, bucket: int, *values: str) -> None:
+    """Add the last microbatch's gradients ``values`` to what their parameters' ``.grad``
+    hold, into bucket ``bucket``'s flat buffer, and start reducing it over its group
+    (comm stream). Writes the pending reduction to the store as ``bucket_value(bucket)``."""
+
+
+def finish_reduce(microbatch: int, bucket: int) -> None:
+    """Wait for bucket ``bucket``'s reduction, scale it, and hand it to ``p.grad`` (or to
+    the rank's gradient shard)."""
+
+
+def bucket_value(bucket: int) -> str:
+    """The store name of bucket ``bucket``'s pending reduction (no graph value has a ``#``)."""
+    return f"bucket#{bucket}"
+
+
+MARKERS = (record_event, wait_event, free, output, accumulate, mutate, reduce_grads, finish_reduce)
 for _f in MARKERS:
     _f.__module__ = "fxoverlap.program"
 

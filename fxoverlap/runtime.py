@@ -4,7 +4,8 @@
 program node kind (:meth:`~ProgramRunner.call_stage`, :meth:`~ProgramRunner.record_event`,
 :meth:`~ProgramRunner.wait_event`, :meth:`~ProgramRunner.free`,
 :meth:`~ProgramRunner.output`, :meth:`~ProgramRunner.accumulate`,
-:meth:`~ProgramRunner.mutate`). The node list is bound to those methods once, when
+:meth:`~ProgramRunner.mutate`, :meth:`~ProgramRunner.reduce_grads`,
+:meth:`~ProgramRunner.finish_reduce`). The node list is bound to those methods once, when
 the runner is built, so a step costs one Python call per node. It owns the
 streams (compute: the current stream; comm: its own), the events and the value
 stores; everything else (which stream, what a node reads) comes from the
@@ -24,7 +25,7 @@ import torch.nn as nn
 from fxoverlap import program_ops
 from fxoverlap.meta import STEP_KEY
 from fxoverlap.passes.capture import Capture, inner_value
-from fxoverlap.program_ops import Step
+from fxoverlap.program_ops import Step, bucket_value
 from fxoverlap.stage import Direction, Stage, StreamKind
 
 # A hook wraps every stage call: hook(node, stage, run) must call run() (which
@@ -117,7 +118,9 @@ class ProgramRunner:
     On CPU streams and events are no-ops and the program runs in its order.
     ``hook`` wraps every stage call (timing, profiling); ``cuda_graphs`` (a
     :class:`fxoverlap.cudagraphs.StageGraphs`) runs the stages the ``cudagraph``
-    pass chose; ``record_memory`` keeps a trace of the live bytes of the stores.
+    pass chose; ``record_memory`` keeps a trace of the live bytes of the stores;
+    ``reducer`` (a :class:`fxoverlap.grad_reduce.BucketReducer`) runs the gradient
+    reductions that ``passes/reduce.py`` placed.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class ProgramRunner:
         cuda_graphs=None,
         record_memory: bool = False,
         hook: StageHook | None = None,
+        reducer=None,
     ):
         self.program, self.capture, self.device = program, capture, device
         self.stages = {s.name: s for s in stages}
@@ -139,6 +143,7 @@ class ProgramRunner:
         self.cuda_graphs = cuda_graphs
         self.record_memory = record_memory
         self.hook = hook
+        self.reducer = reducer
         self._state: RunState | None = None
         self._on_error: Callable | None = None
         self.streams: dict[StreamKind, object] = {}
@@ -156,6 +161,7 @@ class ProgramRunner:
             program_ops.record_event: self.record_event, program_ops.wait_event: self.wait_event,
             program_ops.free: self.free, program_ops.output: self.output,
             program_ops.accumulate: self.accumulate, program_ops.mutate: self.mutate,
+            program_ops.reduce_grads: self.reduce_grads, program_ops.finish_reduce: self.finish_reduce,
         }
         stream_of: dict[tuple[int, str], StreamKind] = {}  # (mb, value) -> stream that writes it
         self._bound: list[tuple[Callable, tuple]] = []
@@ -181,6 +187,9 @@ class ProgramRunner:
                 if node.target not in methods:
                     raise AssertionError(f"runtime: program node {node.name} calls {node.target}, which is "
                                          f"not a program op")
+                if node.target is program_ops.reduce_grads and self.reducer is None:
+                    raise AssertionError(f"runtime: program node {node.name} reduces gradients, but the "
+                                         f"runner has no reducer (ProgramRunner(reducer=...))")
                 self._bound.append((methods[node.target], node.args))
                 self._traced.append((node.name, node.args[0]) if node.target is program_ops.free else None)
 
@@ -313,6 +322,20 @@ class ProgramRunner:
         store = self._state.stores[mb]
         for v in values:
             store[self.capture.mutations[v]].copy_(store[v])
+
+    def reduce_grads(self, mb: int, bucket: int, *values: str) -> None:
+        store = self._state.stores[mb]
+        grads = [store[v] for v in values]
+        with self._ctx(StreamKind.COMM):
+            if self.streams:
+                comm = self.streams[StreamKind.COMM]
+                for g in grads:  # written on the compute stream: keep its block until read here
+                    g.record_stream(comm)
+            store[bucket_value(bucket)] = self.reducer.start(bucket, grads)
+
+    def finish_reduce(self, mb: int, bucket: int) -> None:
+        with self._ctx(StreamKind.COMP):
+            self.reducer.finish(self._state.stores[mb][bucket_value(bucket)], self.streams.get(StreamKind.COMP))
 
 
 def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,

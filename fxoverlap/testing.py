@@ -132,3 +132,14 @@ def rel_l2(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> tuple[
         if d > worst:
             worst, name = d, k
     return worst, name
+
+
+def share_plans(src, dst) -> None:
+    """Let engine ``dst`` reuse engine ``src``'s captures and stages (it builds its own
+    programs and runners), to spare a capture (and an Inductor compile) when comparing
+    engines that differ in their data parallelism only: a plan depends on the model's
+    structure, the input signature and the stage options (parameters are looked up by
+    name at every run), not on the groups or the reduce mode."""
+    from fxoverlap.engine import Plan
+
+    dst._plans = {k: Plan(p.capture, p.stages) for k, p in src._plans.items()}

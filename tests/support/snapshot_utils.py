@@ -29,11 +29,11 @@ def render_tagged(gm: torch.fx.GraphModule, direction: str = "fwd") -> str:
 
 def render_program(program: torch.fx.GraphModule) -> str:
     """The program's code without FX's trailing `x = None` bookkeeping; a free, output,
-    accumulate or mutate node of more than three values shows how many."""
+    accumulate, mutate or reduce_grads node of more than three values shows how many."""
     out = []
     for line in program.code.strip().splitlines():
         line = line.split(";  ")[0].strip()
-        m = re.match(r"(.*fxoverlap_program_(?:free|output|accumulate|mutate)\((\d+), )(.*)\)$", line)
+        m = re.match(r"(.*fxoverlap_program_(?:free|output|accumulate|mutate|reduce_grads)\((\d+), (?:\d+, )?)(.*)\)$", line)
         if m and m.group(3).count(",") >= 3:
             line = f"{m.group(1)}<{m.group(3).count(',') + 1} values>)"
         if line and not line.startswith("return"):

@@ -1,0 +1,336 @@
+"""Data parallelism around expert parallelism: the groups, and the runtime of the gradient
+reductions that ``passes/reduce.py`` places in the program.
+
+fxoverlap runs the backward itself and adds into ``p.grad`` from program nodes, so DDP's
+and FSDP's autograd hooks never fire; the reductions are program nodes instead. After
+``forward_backward`` a parameter's gradient is that of the mean loss over the DP ranks:
+
+* dense parameter (replicated on every rank of ``dp_group``): the sum over ``dp_group``
+  of the local gradients, divided by ``|dp_group|``;
+* expert parameter (replicated on the ranks of ``expert_dp_group``, which hold the same
+  EP index): the sum over ``expert_dp_group``, divided by ``|dp_group|`` too: an
+  expert's local gradient already sums over the tokens of its whole EP group.
+
+``grad_reduce="all_reduce"``: ``p.grad`` holds it on every rank (a view into its bucket's
+flat buffer). ``"reduce_scatter"`` (ZeRO-2): ``p.grad`` is ``None`` afterwards and each
+rank holds only the shard of each bucket it owns (layout: ``passes/reduce.py``), as the
+``.grad`` of :meth:`GradReduction.shard_parameters`' views, which an optimizer steps;
+:meth:`GradReduction.gather_parameters` then all-gathers the updated shards.
+
+Everything is ``torch.distributed``: ``all_reduce`` / ``reduce_scatter_single`` (``reduce_scatter_tensor``
+before torch 2.13) with ``async_op=True`` on flat buffers, ``all_gather_single`` for the parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxoverlap.passes.capture import Capture
+from fxoverlap.passes.reduce import Bucket
+
+# torch 2.13 names them reduce_scatter_single / all_gather_single (the old names warn);
+# an older torch (the GPU machine has 2.11) may have only reduce_scatter_tensor / all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# ---------------------------------------------------------------- groups
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceGroups:
+    """The two groups gradients reduce over, checked against each other and the EP group."""
+
+    dp_group: dist.ProcessGroup
+    expert_dp_group: dist.ProcessGroup | None  # None: no other rank holds this rank's experts
+    dp_ranks: tuple[int, ...]
+    expert_dp_ranks: tuple[int, ...]
+
+    def of(self, role: str) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+        """The group (None: this rank alone) and its global ranks for a bucket role."""
+        if role == "expert":
+            return self.expert_dp_group, self.expert_dp_ranks
+        return self.dp_group, self.dp_ranks
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.dp_ranks)
+
+
+def _ranks(group: dist.ProcessGroup, name: str) -> tuple[int, ...]:
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(
+            f"fxoverlap.optimize: rank {dist.get_rank()} is not a member of {name} (a rank outside "
+            f"the ranks given to dist.new_group gets a placeholder, not a group); pass each rank "
+            f"the {name} it belongs to"
+        )
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def check_groups(
+    ep_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+    expert_dp_group: dist.ProcessGroup | None,
+) -> ReduceGroups | None:
+    """Check the groups against each other on this rank, with no communication; None
+    when there is no data parallelism (no ``dp_group``).
+
+    ``|dp_group|`` must divide the world, ``ep_group`` and ``expert_dp_group`` lie in
+    ``dp_group`` with ``|dp_group| = |ep_group| · |expert_dp_group|``, and the two meet
+    in this rank only. ``expert_dp_group=None`` means ``dp_group`` with EP 1, and this
+    rank alone when ``ep_group`` is all of ``dp_group``.
+    """
+    if dp_group is None:
+        if expert_dp_group is not None:
+            raise ValueError("fxoverlap.optimize: expert_dp_group needs dp_group (the ranks over which "
+                             "the non-expert parameters are replicated, usually dist.group.WORLD)")
+        return None
+    if not dist.is_initialized():
+        raise ValueError("fxoverlap.optimize: dp_group given but torch.distributed is not initialized")
+    me, world = dist.get_rank(), dist.get_world_size()
+    dp = _ranks(dp_group, "dp_group")
+    if world % len(dp):
+        raise ValueError(f"fxoverlap.optimize: dp_group has {len(dp)} ranks {list(dp)}, which does not "
+                         f"divide the world of {world} ranks")
+    ep = (me,) if ep_group is None else _ranks(ep_group, "ep_group")
+    if not set(ep) <= set(dp):
+        raise ValueError(f"fxoverlap.optimize: ep_group {list(ep)} is not inside dp_group {list(dp)}; expert "
+                         f"parallelism runs inside data parallelism")
+    if len(dp) % len(ep):
+        raise ValueError(f"fxoverlap.optimize: ep_group has {len(ep)} ranks, which does not divide "
+                         f"dp_group's {len(dp)}")
+    want = len(dp) // len(ep)
+    if expert_dp_group is None:
+        if len(ep) == 1:
+            return ReduceGroups(dp_group, dp_group, dp, dp)
+        if want == 1:
+            return ReduceGroups(dp_group, None, dp, (me,))
+        raise ValueError(
+            f"fxoverlap.optimize: with ep_group of {len(ep)} and dp_group of {len(dp)} ranks, pass "
+            f"expert_dp_group: the {want} ranks that hold the same experts as rank {me} (the same EP "
+            f"index), e.g. init_device_mesh(device, ({want}, {len(ep)}), mesh_dim_names=('edp', 'ep'))"
+            f"['edp'].get_group()"
+        )
+    edp = _ranks(expert_dp_group, "expert_dp_group")
+    if len(edp) != want:
+        raise ValueError(
+            f"fxoverlap.optimize: expert_dp_group has {len(edp)} ranks {list(edp)}, but |dp_group| / "
+            f"|ep_group| = {len(dp)} / {len(ep)} = {want}: each rank's experts are replicated on one "
+            f"rank of every EP group"
+        )
+    if not set(edp) <= set(dp) or set(edp) & set(ep) != {me}:
+        raise ValueError(
+            f"fxoverlap.optimize: expert_dp_group {list(edp)} must lie in dp_group {list(dp)} and meet "
+            f"ep_group {list(ep)} in rank {me} only (its ranks hold rank {me}'s experts, one per EP group)"
+        )
+    return ReduceGroups(dp_group, None if len(edp) == 1 else expert_dp_group, dp, edp)
+
+
+# ---------------------------------------------------------------- runtime
+
+
+@dataclasses.dataclass
+class Pending:
+    """A bucket's reduction in flight: what ``finish`` waits for and hands out."""
+
+    bucket: Bucket
+    work: object | None  # the c10d Work, None for a one-rank group
+    flat: torch.Tensor  # the bucket's flat buffer (reduced in place by all_reduce; kept until done)
+    out: torch.Tensor  # what the reduction leaves: flat (all_reduce) or this rank's shard
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPiece:
+    """The part of one parameter inside this rank's shard of a bucket."""
+
+    param: str
+    bucket: int
+    start: int  # first element of the piece in the flattened parameter
+    shard_offset: int  # first element of the piece in this rank's shard
+    view: torch.Tensor  # the parameter's elements [start, start + numel), a leaf view
+
+
+def _layout(buckets: Sequence[Bucket]) -> tuple:
+    return tuple((b.role, str(b.dtype), tuple((s.param, s.shape, s.offset) for s in b.slots)) for b in buckets)
+
+
+class GradReduction:
+    """The engine's data parallelism: groups, mode, and (``reduce_scatter``) the rank's shard views."""
+
+    def __init__(self, groups: ReduceGroups, mode: str):
+        self.groups, self.mode = groups, mode
+        self.layout: tuple | None = None  # reduce_scatter: the bucket layout the shards follow
+        self.buckets: tuple[Bucket, ...] = ()
+        self._params: dict[str, nn.Parameter] = {}
+        self._pieces: list[ShardPiece] = []
+        self._checked: set[tuple] = set()  # layouts the ranks of each group agreed on
+
+    def bind(self, buckets: Sequence[Bucket], capture: Capture, model: nn.Module) -> BucketReducer:
+        """The runtime of one program's reduction nodes."""
+        layout = _layout(buckets)
+        if layout not in self._checked:
+            params = dict(model.named_parameters(remove_duplicate=False))
+            self._params.update({s.param: params[s.param] for b in buckets for s in b.slots})
+            if buckets:
+                self._check_same_layout_on_every_rank(buckets, self._params[buckets[0].slots[0].param].device)
+            self._checked.add(layout)
+        if self.mode == "reduce_scatter":
+            if self.layout is None:
+                self.layout, self.buckets = layout, tuple(buckets)
+                self._pieces = self._make_pieces()
+            elif layout != self.layout:
+                raise RuntimeError(
+                    "fxoverlap: the gradient buckets of this input signature differ from the first one's "
+                    "(another capture gave other gradients); the shards an optimizer holds must stay "
+                    "fixed: use one engine per model structure"
+                )
+        return BucketReducer(self, tuple(buckets), {v: self._params[p] for v, p in capture.grads.items()
+                                                     if p in self._params})
+
+    def _check_same_layout_on_every_rank(self, buckets: Sequence[Bucket], device: torch.device) -> None:
+        """Every rank of a group must reduce the same buckets, or the collectives mismatch
+        (a hang, or sums of unrelated gradients): compare a digest once, at the first bind."""
+        for role in ("dense", "expert"):
+            group, ranks = self.groups.of(role)
+            if group is None or len(ranks) == 1:
+                continue
+            digest = hashlib.sha256(repr(_layout([b for b in buckets if b.role == role])).encode()).digest()
+            mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)
+            every = torch.empty(len(ranks), dtype=torch.int64, device=device)
+            all_gather_single(every, mine, group=group)
+            if (every != mine).any():
+                raise RuntimeError(
+                    f"fxoverlap: the ranks {list(ranks)} of the {role} parameters' group bucket their "
+                    f"gradients differently (their models or captures differ); every rank of a group "
+                    f"must run the same model structure"
+                )
+
+    # ---- reduce_scatter: the rank's shard
+    def _make_pieces(self) -> list[ShardPiece]:
+        pieces = []
+        for b in self.buckets:
+            _, ranks = self.groups.of(b.role)
+            start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
+            for s in b.slots:
+                lo, hi = max(start, s.offset), min(stop, s.offset + s.numel)
+                if lo >= hi:
+                    continue
+                p = self._params[s.param]
+                if not p.is_contiguous():
+                    raise ValueError(f"fxoverlap: grad_reduce='reduce_scatter' needs contiguous parameters; "
+                                     f"{s.param} is not (make it contiguous before optimize)")
+                view = p.detach().view(-1)[lo - s.offset:hi - s.offset]
+                view.requires_grad_(True)
+                pieces.append(ShardPiece(s.param, b.index, lo - s.offset, lo - start, view))
+        return pieces
+
+    def shard_parameters(self) -> list[torch.Tensor]:
+        """This rank's shard of every bucket, as leaf views of the parameters whose ``.grad``
+        is the averaged gradient there: hand them to an optimizer."""
+        if self.mode != "reduce_scatter":
+            raise RuntimeError("fxoverlap: shard_parameters() is for OverlapConfig(grad_reduce='reduce_scatter'); "
+                               "with 'all_reduce' every p.grad holds the whole averaged gradient")
+        if self.layout is None:
+            raise RuntimeError("fxoverlap: the shards are known once the model is captured: call "
+                               "engine.forward_backward(...) (or engine.plan(...)) first")
+        return [piece.view for piece in self._pieces]
+
+    def shard_pieces(self) -> list[ShardPiece]:
+        self.shard_parameters()
+        return list(self._pieces)
+
+    def gather_parameters(self) -> None:
+        """After the optimizer stepped this rank's shards: all-gather every bucket, so each
+        rank holds the updated parameters (``all_gather_single``; returns when done)."""
+        self.shard_parameters()
+        gathers = []
+        for b in self.buckets:
+            group, ranks = self.groups.of(b.role)
+            if group is None or len(ranks) == 1:
+                continue  # this rank's shard is the whole bucket: the optimizer updated it in place
+            start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
+            device = self._params[b.slots[0].param].device
+            mine = torch.zeros(stop - start, dtype=b.dtype, device=device)
+            for piece in self._pieces:
+                if piece.bucket == b.index:
+                    mine[piece.shard_offset:piece.shard_offset + piece.view.numel()].copy_(piece.view.detach())
+            full = torch.empty(b.padded_numel(len(ranks)), dtype=b.dtype, device=device)
+            gathers.append((b, full, all_gather_single(full, mine, group=group, async_op=True)))
+        for b, full, work in gathers:
+            work.wait()
+            for s in b.slots:
+                self._params[s.param].detach().view(-1).copy_(full[s.offset:s.offset + s.numel])
+
+
+class BucketReducer:
+    """Runs one program's ``reduce_grads`` / ``finish_reduce`` nodes (``ProgramRunner`` calls it).
+
+    ``trace``: set to a list to record ``(event, bucket, time.perf_counter(), extra)``:
+    ``"issue"``, ``"done"`` (the collective completed; from its future) and ``"wait"``
+    (``extra``: whether it had completed before the wait).
+    """
+
+    def __init__(self, owner: GradReduction, buckets: tuple[Bucket, ...], params: dict[str, nn.Parameter]):
+        self.owner, self.buckets, self.params = owner, buckets, params
+        self.trace: list | None = None
+
+    def start(self, index: int, grads: Sequence[torch.Tensor]) -> Pending:
+        """Add the last gradients to ``p.grad`` into the flat buffer and issue the collective
+        (async); runs under the comm stream, so its buffers belong to it."""
+        b = self.buckets[index]
+        group, ranks = self.owner.groups.of(b.role)
+        flat = torch.zeros(b.padded_numel(len(ranks)), dtype=b.dtype, device=grads[0].device)
+        for s, g in zip(b.slots, grads):
+            view = flat[s.offset:s.offset + s.numel].view(s.shape)
+            held = self.params[s.value].grad
+            if held is None:
+                view.copy_(g)
+            else:
+                torch.add(held, g, out=view)  # p.grad + g, as AccumulateGrad adds
+        work, out = None, flat
+        if group is not None and len(ranks) > 1:
+            if self.owner.mode == "all_reduce":
+                work = dist.all_reduce(flat, group=group, async_op=True)
+            else:
+                start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
+                out = flat.new_empty(stop - start)
+                work = reduce_scatter_single(out, flat, group=group, async_op=True)
+        elif self.owner.mode == "reduce_scatter":
+            out = flat  # a one-rank group owns the whole bucket
+        if self.trace is not None:
+            self.trace.append(("issue", index, time.perf_counter(), None))
+            if work is not None:
+                work.get_future().then(lambda _, i=index: self.trace.append(("done", i, time.perf_counter(), None)))
+        return Pending(b, work, flat, out)
+
+    def finish(self, pending: Pending, compute_stream=None) -> None:
+        """Wait (the current stream waits, on CUDA), divide by ``|dp_group|``, hand out."""
+        b = pending.bucket
+        if self.trace is not None:
+            done = pending.work is None or pending.work.is_completed()
+            self.trace.append(("wait", b.index, time.perf_counter(), done))
+        if pending.work is not None:
+            pending.work.wait()
+        out = pending.out
+        out.div_(self.owner.groups.dp_size)
+        if compute_stream is not None:
+            out.record_stream(compute_stream)  # allocated on the comm stream, used on this one from now on
+        if self.owner.mode == "all_reduce":
+            for s in b.slots:
+                self.params[s.value].grad = out[s.offset:s.offset + s.numel].view(s.shape)
+            return
+        for s in b.slots:
+            self.params[s.value].grad = None  # ZeRO-2: the full local gradient is not kept
+        for piece in self.owner._pieces:
+            if piece.bucket == b.index:
+                g = out[piece.shard_offset:piece.shard_offset + piece.view.numel()]
+                if piece.view.grad is None:
+                    piece.view.grad = g
+                else:
+                    piece.view.grad.add_(g)
