@@ -105,6 +105,7 @@ def test_dtensor_parameters_and_inputs():
         assert ("layers.0.moe.w_in", "_local_tensor") in r["subclass_parts"], r
         assert "_local_tensor" in r["input_parts"] and "" in r["input_parts"], r
         assert "a differentiable output of the step is a tensor subclass" in r["subclass_loss_error"], r
+        assert "are tensor subclasses (DTensors)" in r["dp_error"] and "dp_group" in r["dp_error"], r
 
 
 def test_forward_only_call():

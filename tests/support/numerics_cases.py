@@ -130,8 +130,13 @@ def titan_dtensor(rank: int, world: int, n: int) -> dict:
         subclass_loss_error = "no error"
     except CaptureError as e:
         subclass_loss_error = str(e)
+    try:  # data-parallel reduction in the program takes plain gradients only
+        fxoverlap.optimize(model, dist.group.WORLD, dp_group=dist.group.WORLD).forward_backward(mbs[:1])
+        dp_error = "no error"
+    except NotImplementedError as e:
+        dp_error = str(e)
     return dict(losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), grads=grads,
-                subclass_loss_error=subclass_loss_error, subclass_parts=sorted({(fqn, ".".join(path)) for fqn, path in cap.subclass_placeholders.values()}),
+                subclass_loss_error=subclass_loss_error, dp_error=dp_error, subclass_parts=sorted({(fqn, ".".join(path)) for fqn, path in cap.subclass_placeholders.values()}),
                 input_parts=sorted({".".join(path) for _, path in cap.input_parts.values()}))
 
 
