@@ -406,14 +406,16 @@ def _layout(meta) -> SubclassLayout:
 
 def _grad_layouts(joint) -> dict:
     """Input descriptor -> layout of its gradient, for inputs whose gradient is a tensor subclass."""
-    sub = getattr(joint._aot_graph_capture, "maybe_subclass_meta", None)
+    # AOTAutograd's own records (private: checked on torch 2.13)
+    sub = getattr(getattr(joint, "_aot_graph_capture", None), "maybe_subclass_meta", None)
     metas = getattr(sub, "grad_input_metas", None)
     if not metas:
         return {}
-    descs = joint._aot_state.flat_args_descs
-    if len(descs) != len(metas):
-        raise CaptureError(f"capture: AOTAutograd names {len(descs)} step inputs but {len(metas)} gradients "
-                           f"(torch {torch.__version__}); fxoverlap cannot tell which subclass gradient is whose")
+    descs = getattr(getattr(joint, "_aot_state", None), "flat_args_descs", None)
+    if descs is None or len(descs) != len(metas):
+        raise CaptureError(f"capture: AOTAutograd (torch {torch.__version__}) does not name the step input "
+                           f"of each of its {len(metas)} gradients; fxoverlap cannot tell which tensor-subclass "
+                           f"gradient is whose")
     return {d: _layout(m) for d, m in zip(descs, metas) if hasattr(m, "attrs")}
 
 
