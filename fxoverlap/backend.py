@@ -412,6 +412,11 @@ def backend_config(options: dict | None = None, mode: str | None = None, **kwarg
 def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig | None = None) -> CompiledStep:
     """Build the :class:`CompiledStep` for a Dynamo graph; raises when it cannot."""
     config = config or OverlapConfig()
+    if config.dispatch_capacity_factor is not None:
+        raise _Unsupported(
+            "dispatch_capacity_factor needs a check of the overflow flags after each step, which "
+            "fxoverlap.optimize makes and the torch.compile backend does not; use the worst-case "
+            "capacity (the default) under torch.compile, or fxoverlap.optimize")
     _check_supported(gm, example_inputs)
     diff = {n.name for n, t in zip(gm.graph.find_nodes(op="placeholder"), example_inputs) if t.requires_grad}
     info = annotate_layers(gm, diff, config.layer_container)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 COMPILERS = ("inductor", "eager")
+DISPATCHERS = ("auto", "all_to_all", "padded", "symm_mem")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,16 @@ class OverlapConfig:
         record_memory: keep a per-step trace of live values and bytes
             (``engine.memory_trace``); for tests and debugging.
         progress: print a line per compiled stage and the compile time (rank 0).
+        dispatcher: how fxoverlap's dispatch/combine ops run (``passes/dispatcher.py``):
+            ``"all_to_all"`` (variable split sizes, one host read per dispatch),
+            ``"padded"`` (fixed per-link capacity, equal-split all-to-all, no host
+            read; any device), ``"symm_mem"`` (the same layout, real rows written into
+            the peers' symmetric memory; CUDA, one host), or ``"auto"``: ``symm_mem``
+            where it can run, else ``all_to_all``.
+        dispatch_capacity_factor: static dispatchers only. ``None``: each link can
+            carry every row a rank could send it (never overflows). A factor ``f``:
+            ``f`` times the balanced share (``rows sent / ep``), saving memory; a step
+            that needs more raises ``DispatchOverflow`` with ``p.grad`` as before it.
     """
 
     compiler: Literal["inductor", "eager"] | None = None
@@ -59,8 +70,17 @@ class OverlapConfig:
     mhc_recompute_group: int | None = None
     record_memory: bool = False
     progress: bool = True
+    dispatcher: Literal["auto", "all_to_all", "padded", "symm_mem"] = "auto"
+    dispatch_capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"OverlapConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
+        if self.dispatch_capacity_factor is not None and not self.dispatch_capacity_factor > 0:
+            raise ValueError(
+                f"OverlapConfig.dispatch_capacity_factor must be > 0 (a multiple of the balanced share of rows "
+                f"per link), or None for the worst-case capacity; got {self.dispatch_capacity_factor}"
+            )
         if self.compiler is not None and self.compiler not in COMPILERS:
             raise ValueError(f"OverlapConfig.compiler must be one of {COMPILERS} or None, got {self.compiler!r}")
         if self.mhc_recompute_group is not None and self.mhc_recompute_group < 1:

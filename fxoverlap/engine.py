@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
+from fxoverlap.dispatch_ops import overflow_guard
 from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.pipeline import build_program, build_stages
 from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
@@ -140,7 +141,8 @@ class Engine:
         plan = self._plan(mbs[0], loss_fn, train=True)
         runner = self._runner(plan, len(mbs))
         self._last = (plan, len(mbs))
-        state = runner.run(static_values(plan.capture, self.model), mbs, on_error=self._abort_group)
+        with overflow_guard(plan.capture.graph_module, self.model):
+            state = runner.run(static_values(plan.capture, self.model), mbs, on_error=self._abort_group)
         if self.config.record_memory:
             self.memory_trace = state.memory_trace
             static = set(plan.capture.static_placeholders)
@@ -152,7 +154,8 @@ class Engine:
         """Forward only, through the forward stage graphs; returns the model's output."""
         plan = self._plan(inputs, None, train=False)
         runner = self._runner(plan, 1, train=False)
-        state = runner.run(static_values(plan.capture, self.model), [inputs], on_error=self._abort_group)
+        with overflow_guard(plan.capture.graph_module, self.model):
+            state = runner.run(static_values(plan.capture, self.model), [inputs], on_error=self._abort_group)
         return state.outputs[0][plan.capture.outputs[0]]
 
     def close(self) -> None:

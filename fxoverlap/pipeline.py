@@ -1,6 +1,6 @@
 """The pass pipeline, in one place for both entry points (``optimize`` and the backend).
 
-    capture ─ tag ─ side ─ recompute ─ split ─ cudagraph ─ inductor      (once per plan)
+    capture ─ dispatcher ─ tag ─ side ─ recompute ─ split ─ cudagraph ─ inductor   (once per plan)
     schedule ─ streams ─ free                                             (once per microbatch count)
 
 ``cudagraph`` only chooses stages (``stage.graphed``), so it runs before
@@ -18,6 +18,7 @@ import torch.fx
 from fxoverlap.config import OverlapConfig
 from fxoverlap.passes.capture import Capture
 from fxoverlap.passes.cudagraph import cudagraph
+from fxoverlap.passes.dispatcher import dispatcher
 from fxoverlap.passes.free import free
 from fxoverlap.passes.inductor import inductor
 from fxoverlap.passes.recompute import recompute
@@ -38,6 +39,7 @@ def _progress(msg: str) -> None:
 
 def build_stages(capture: Capture, config: OverlapConfig, device_type: str, train: bool = True) -> list[Stage]:
     """The stages of a capture, chosen for CUDA graphs and compiled as ``config`` says."""
+    dispatcher(capture.graph_module, config.dispatcher, config.dispatch_capacity_factor)
     gm = tag(capture)
     if config.side_stages:
         gm = side(gm)

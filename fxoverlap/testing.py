@@ -48,6 +48,17 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:
     return [value for _, value in results]
 
 
+_ONCE: dict[str, list[Any]] = {}
+
+
+def run_distributed_once(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:
+    """:func:`run_distributed`, spawned once per distinct call: tests reading one spawn share it."""
+    key = f"{fn.__module__}.{fn.__qualname__}{args!r}/{world_size}"
+    if key not in _ONCE:
+        _ONCE[key] = run_distributed(fn, *args, world_size=world_size)
+    return _ONCE[key]
+
+
 def grad_diff(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
     """(max abs diff, max |ref grad|, bitwise) between ``model``'s grads and ``ref``."""
     worst, scale, bitwise = 0.0, 0.0, True

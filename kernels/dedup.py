@@ -125,10 +125,14 @@ def dispatch_backward(
     row_gx = sum_per_row(grad_x, pair_index, rows, k)
     row_gw = grad_w.new_zeros(rows * k).index_copy_(0, pair_index, grad_w).view(rows, k)
     back_x, back_w = _all_to_all(send_list, [row_gx, row_gw], recv_list, group)
-    el = n_experts // slot.shape[1]
-    padded = torch.cat([back_w, back_w.new_zeros(1, k)])
+    return _sum_per_token(back_x, slot), weight_grads(back_w, slot, idx, n_experts // slot.shape[1])
+
+
+def weight_grads(back_w: torch.Tensor, slot: torch.Tensor, idx: torch.Tensor, el: int) -> torch.Tensor:
+    """``[T, k]``: each pick's weight gradient, from the row its expert's rank sent back."""
+    padded = torch.cat([back_w, back_w.new_zeros(1, back_w.shape[1])])
     row_of_pick = torch.where(slot >= 0, slot, back_w.shape[0]).gather(1, idx // el)  # [T, k]
-    return _sum_per_token(back_x, slot), padded[row_of_pick, torch.arange(k, device=idx.device)]
+    return padded[row_of_pick, torch.arange(idx.shape[1], device=idx.device)]
 
 
 def combine(y: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, k: int,

@@ -42,13 +42,18 @@ def pair_positions(pair_index: torch.Tensor, rows: int, k: int) -> torch.Tensor:
 
 def sum_per_row(src: torch.Tensor, pair_index: torch.Tensor, rows: int, k: int) -> torch.Tensor:
     """``[rows, D]``: each row's pairs of ``src [P, D]`` summed, slots in order, fp32 accumulation."""
-    pos = pair_positions(pair_index, rows, k)
+    return sum_at(src, pair_positions(pair_index, rows, k))
+
+
+def sum_at(src: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``out[r] = sum_j src[pos[r, j]]`` (``pos [rows, k]``; ``P`` = ``len(src)``: nothing), fp32 accumulation."""
+    rows, k = pos.shape
     if triton is not None and src.is_cuda and src.dim() == 2 and rows > 0:
         src = src.contiguous()
         out = src.new_empty(rows, src.shape[1])
         block = min(1024, triton.next_power_of_2(max(src.shape[1], 16)))
         _row_sum_kernel[(rows, triton.cdiv(src.shape[1], block))](
-            src, pos, out, src.shape[0], src.shape[1], K=k, BLOCK=block)
+            src, pos.contiguous(), out, src.shape[0], src.shape[1], K=k, BLOCK=block)
         return out
     padded = torch.cat([src, src.new_zeros(1, *src.shape[1:])])
     return padded[pos].sum(1, dtype=torch.float32).to(src.dtype)

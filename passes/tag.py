@@ -61,11 +61,13 @@ from fxoverlap.stage import COMM_KINDS, Direction, StageKind, Tag
 
 # Communication ops by op name: what they are when no region marker says otherwise.
 # None: an all-to-all whose role is decided by data dependencies.
+# fxoverlap's own: the generic ops models write and the static ones the dispatcher pass
+# lowers them to (backward comm ops take their forward op's tag by seq_nr).
 COMM_OPS: dict[str, StageKind | None] = {
-    "fxoverlap.dispatch": StageKind.DISPATCH,
-    "fxoverlap.token_dispatch": StageKind.DISPATCH,
-    "fxoverlap.combine": StageKind.COMBINE,
-    "fxoverlap.token_combine": StageKind.COMBINE,
+    **{f"fxoverlap.{op}{static}": StageKind.DISPATCH
+       for op in ("dispatch", "token_dispatch") for static in ("", "_static")},
+    **{f"fxoverlap.{op}{static}": StageKind.COMBINE
+       for op in ("combine", "token_combine") for static in ("", "_static")},
     **{n.replace("::", "."): StageKind.DISPATCH for n in DEEPEP_DISPATCH_OPS},
     **{n.replace("::", "."): StageKind.COMBINE for n in DEEPEP_COMBINE_OPS},
     "_c10d_functional.all_to_all_single": None,

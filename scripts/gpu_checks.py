@@ -13,6 +13,14 @@
 * row_sum: token dedup's Triton per-row pair sum against an fp32 reference, and its speed.
 * csan: the program (free pass on, delayed wgrad off/on, each routing) under CSAN,
   enabled after the capture (``--checks csan``).
+* symm_mem: a whole step of the ``symm_mem`` and ``padded`` dispatchers (each routing, and
+  with CUDA graphs on) under ``torch.cuda.set_sync_debug_mode("error")``: any host sync
+  raises. Gradients against the other backend (same layout: bitwise expected) and eager
+  (the numerics tolerance). Any number of ranks on one host, one included
+  (``--checks symm_mem``).
+* symm_mem_smoke: the symm_mem transport op by op against ``padded`` (dispatch, combine,
+  their backward calls, token-once, more calls than there are buffers); one rank is
+  enough: ``torchrun --nproc-per-node 1 scripts/gpu_checks.py --checks symm_mem_smoke``.
 Prints one ``CHECK {...}`` JSON line per result on rank 0; ``--out`` writes them to a file.
 """
 
@@ -53,6 +61,13 @@ def _model(cfg, device, dtype):
     return MoETransformer(cfg, dist.group.WORLD).to(device=device, dtype=dtype)
 
 
+def _small_config(routing):
+    """Four layers (one dense), 16 experts top-4, dim 256: seconds per step on one GPU."""
+    return MoEConfig.tiny(dim=256, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=128,
+                          shared_expert_dim=128, vocab_size=4096, max_seq_len=256, **routing_fields(routing),
+                          layer_pattern=("moe", "moe", "dense", "moe"))
+
+
 def check_csan(device, emit):
     """The interleaved program under CSAN (torch.cuda._sanitizer). The sanitizer is
     enabled after the capture: it inspects real tensors and cannot run under the
@@ -61,9 +76,7 @@ def check_csan(device, emit):
 
     results = {}
     for routing in ROUTINGS:
-        cfg = MoEConfig.tiny(dim=256, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=128,
-                             shared_expert_dim=128, vocab_size=4096, max_seq_len=256, **routing_fields(routing),
-                             layer_pattern=("moe", "moe", "dense", "moe"))
+        cfg = _small_config(routing)
         model = _model(cfg, device, torch.bfloat16)
         batches = _batches(cfg, 3, 2, 256, device)
         for wgrad in (False, True):
@@ -88,6 +101,99 @@ def _compiled_grads(model, batches):
     """torch.compile(model) run sequentially: the numerics a user of plain Inductor gets."""
     compiled = torch.compile(model)
     return [x.float() for x in eager_steps(compiled, batches)], take_grads(model, torch.float32)
+
+
+def _step_under_sync_check(engine, batches):
+    """One step with sync debug mode "error": (losses, None), or (None, the error)."""
+    engine.forward_backward(batches)  # capture, buffers, CUDA graphs: outside the check
+    engine.model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return [x.float() for x in engine.forward_backward(batches)], None
+    except RuntimeError as e:
+        return None, f"{type(e).__name__}: {str(e)[:1000]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
+def check_symm_mem(device, emit):
+    """A step with zero host syncs: sync debug mode "error" turns any into an exception.
+    Capture, symmetric-memory rendezvous and CUDA-graph capture happen in a first step,
+    outside the check. The control, all_to_all, reads split sizes on the host (token-once
+    always, per-expert with more than one rank), so it must raise there; it runs on a
+    group of its own, which the engine aborts when the step fails."""
+    for routing in ROUTINGS:
+        cfg = _small_config(routing)
+        model = _model(cfg, device, torch.bfloat16)
+        batches = _batches(cfg, 3, 2, 256, device)
+        l1, g1 = _eager(model, batches)
+        _, g2 = _eager(model, batches)
+        noise, _ = rel_l2(g1, g2)
+        control_group = dist.new_group()
+        control = MoETransformer(cfg, control_group).to(device=device, dtype=torch.bfloat16)
+        control.load_state_dict(model.state_dict())
+        _, error = _step_under_sync_check(fxoverlap.optimize(control, control_group, fxoverlap.OverlapConfig(
+            dispatcher="all_to_all")), batches)
+        expect = routing == "dedup" or dist.get_world_size() > 1
+        emit(dict(check="symm_mem_sync_free", routing=routing, backend="all_to_all", sync_error=error,
+                  expected_sync_error=expect, ok=(error is not None) == expect))
+        grads = {}
+        for backend, graphs in (("padded", False), ("symm_mem", False), ("symm_mem", True)):
+            engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(
+                dispatcher=backend, cuda_graphs=graphs))
+            losses, error = _step_under_sync_check(engine, batches)
+            grads[(backend, graphs)] = gf = take_grads(model, torch.float32)
+            err, worst = rel_l2(g1, gf) if error is None else (float("inf"), "")
+            tol = max(4 * noise, 2.0 ** -7)
+            graphed = sum(s.graphed for s in engine.stages) if graphs else 0
+            engine.close()
+            emit(dict(check="symm_mem_sync_free", routing=routing, backend=backend, cuda_graphs=graphs,
+                      graphed_stage_calls=graphed, sync_error=error, fx_rel_l2=err, worst_param=worst,
+                      eager_noise_rel_l2=noise, tolerance=tol,
+                      bitwise_vs_padded=error is None and all(
+                          torch.equal(grads[("padded", False)][k], gf[k]) for k in gf),
+                      loss_rel_err=max(abs(a - b).item() / abs(a).item() for a, b in zip(l1, losses)) if error is None
+                      else None, ok=error is None and err <= tol))
+
+
+def check_symm_mem_smoke(device, emit):
+    """The symm_mem transport against padded, op by op, on random routing (bitwise: both
+    only move rows). Six dispatches in a row cycle the two landing buffers three times."""
+    name = dist.group.WORLD.group_name
+    ep, el, d = dist.get_world_size(), 4, 256
+    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    f = torch.ops.fxoverlap
+    same = []
+    for i in range(6):
+        # 64 rows over the experts, some with none; every row could go to one rank: capacity 64
+        counts = torch.randint(0, ep * el, (64,), generator=g, device=device).bincount(minlength=ep * el)
+        x = torch.randn(64, d, generator=g, device=device, dtype=torch.bfloat16)
+        cap = 64
+        out = {}
+        for t in ("padded", "symm_mem"):
+            y, recv = f.dispatch_static(x, counts, name, None, cap, t, None, 0)
+            back = f.combine_static(y * 2, recv, counts, name, x.shape[0], cap, t)
+            grad_y, _ = f.dispatch_static(back, counts, name, recv, cap, t, None, 0)
+            out[t] = (y[: int(recv.sum())], recv, back, grad_y[: int(recv.sum())])
+        same.append(all(torch.equal(a, b) for a, b in zip(out["padded"], out["symm_mem"]))
+                    and torch.equal(out["padded"][2], x * 2))
+    idx = torch.stack([torch.randperm(ep * el, generator=g, device=device)[:3] for _ in range(32)])
+    xt = torch.randn(32, d, generator=g, device=device, dtype=torch.bfloat16)
+    w = torch.rand(32, 3, generator=g, device=device, dtype=torch.bfloat16)
+    tok = {}
+    for t in ("padded", "symm_mem"):
+        sent = f.token_dispatch_static(xt, idx, w, ep * el, name, 32, t, None, 0)
+        comb = f.token_combine_static(sent[0] * sent[1].unsqueeze(-1), sent[3], sent[4], sent[5], 3, name, 32, t)
+        gy = f.token_combine_backward_static(comb, sent[3], sent[4], sent[5], 3, name, 32, t)
+        gx, gw = f.token_dispatch_backward_static(gy, sent[1], idx, sent[3], sent[4], sent[5], ep * el, name, 32, t)
+        tok[t] = (*sent, comb, gy, gx, gw)
+    token_same = all(torch.equal(a, b) for a, b in zip(tok["padded"], tok["symm_mem"]))
+    combine_ok = torch.allclose(tok["padded"][6].float(), (xt.float() * w.float().sum(1, keepdim=True)), rtol=2e-2,
+                                atol=2e-2)
+    emit(dict(check="symm_mem_smoke", ranks=ep, per_expert_equal=same, token_once_equal=token_same,
+              token_combine_vs_formula=combine_ok, ok=all(same) and token_same and combine_ok))
 
 
 def check_numerics(device, emit, small=False):
@@ -245,7 +351,8 @@ def main() -> None:
         if name == "numerics":
             check_numerics(device, emit, small=args.small)
         else:
-            checks = {"memory": check_memory, "recompute": check_recompute, "csan": check_csan, "row_sum": check_row_sum}
+            checks = {"memory": check_memory, "recompute": check_recompute, "csan": check_csan, "row_sum": check_row_sum,
+                      "symm_mem": check_symm_mem, "symm_mem_smoke": check_symm_mem_smoke}
             checks[name](device, emit)
     if args.out and dist.get_rank() == 0:
         with open(args.out, "a") as f:
