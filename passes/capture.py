@@ -295,6 +295,12 @@ def capture(
     except Exception as e:
         from fxoverlap.expert_parallel import explain_capture_error
 
+        if "use_reentrant=True" in str(e):
+            raise CaptureError(
+                "capture: the model calls torch.utils.checkpoint with use_reentrant=True, which cannot be "
+                "traced into one joint graph; pass use_reentrant=False (checkpoint_wrapper's default), "
+                "which fxoverlap replays in the backward"
+            ) from e
         hint = explain_capture_error(model, e)
         if hint is None:
             raise
