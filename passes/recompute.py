@@ -15,9 +15,10 @@ should recompute rather than keep. Two sources, one mechanism:
 
 Never replayed, whatever the region says, so saved: communication (nodes of a
 layer's dispatch / combine stages: a replayed all-to-all would be a second
-collective, and one the peers do not join), host syncs (a replay would stall the
-host again), random ops (a replay draws new numbers) and in-place ops. The compute
-around them is replayed from their saved outputs.
+collective every peer must join, costing the exchange again), host syncs (a replay
+would stall the host again), random ops (a replay draws new numbers; a dropout
+probability of 0 is not random) and in-place ops. The compute around them is
+replayed from their saved outputs.
 
 Contract
 --------
@@ -32,9 +33,9 @@ into a recompute stage ``Tag(bwd, top layer of g, recompute)`` (``meta[RECOMPUTE
 = the group's layers) and the reader reads the clone. Clone inputs are what the group
 does not replay: values outside the regions, parameters, saved nodes, and values of
 other groups (a group's input, e.g. the layer input a checkpoint keeps, stays saved).
-Backward readers outside the group keep reading the saved original, so the recompute
-stage always runs before its readers: the schedule places it right before the group's
-first backward stage, on the compute stream. The originals then die in the forward
+Backward readers outside the group (the next layer's, the head's) keep reading the
+saved original. The schedule places the recompute stage right before the first stage
+that reads it, on the compute stream. The originals then die in the forward
 and the free pass drops them there. Recomputed values are bitwise the saved ones: the
 same ops on the same inputs. A graph with no region comes back unchanged.
 
