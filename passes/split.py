@@ -127,14 +127,10 @@ def not_capturable_reason(name: str, kind: StageKind, gm: torch.fx.GraphModule) 
     on the GPU machine); a host sync or a data-dependent shape cannot be replayed; an
     in-place op would be repeated on the graph's static copy of its input; a stage
     of only views and metadata ops has nothing to capture (its outputs would alias
-    the graph's static inputs). A recompute stage stays eager because a graph keeps
-    static copies of its outputs for the whole run: the replayed activations would
-    stay allocated, which is what replaying them avoids.
+    the graph's static inputs).
     """
     if kind in COMM_KINDS:
         return f"stage {name}: communication stage (stays eager on the comm stream)"
-    if kind is StageKind.RECOMPUTE:
-        return f"stage {name}: recompute stage (graph memory would keep the replayed activations allocated)"
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
