@@ -52,7 +52,7 @@ class OverlapConfig:
             ``"padded"`` (fixed per-link capacity, equal-split all-to-all, no host
             read; any device), ``"symm_mem"`` (the same layout, real rows written into
             the peers' symmetric memory; CUDA, one host), or ``"auto"``: ``symm_mem``
-            where it can run, else ``all_to_all``.
+            where it can run with more than one EP rank, else ``all_to_all``.
         dispatch_capacity_factor: static dispatchers only. ``None``: each link can
             carry every row a rank could send it (never overflows). A factor ``f``:
             ``f`` times the balanced share (``rows sent / ep``), saving memory; a step

@@ -6,7 +6,7 @@ each such call to a :class:`StageGraphs` (one per program, kept by the engine ac
 steps), which captures the stage once per *copy* and afterwards only replays it.
 Communication stages are never captured: they stay eager on the comm stream, so no
 NCCL kernel lives in a graph (capturing one made ``destroy_process_group()`` hang on
-the GPU machine, DESIGN.md). ``Engine.close()`` releases every graph and pool; call
+the GPU machine, docs/design.md). ``Engine.close()`` releases every graph and pool; call
 it before ``dist.destroy_process_group()``.
 
 Copies: why two graphs per stage
@@ -94,6 +94,7 @@ import torch.fx
 
 from fxoverlap.meta import STEP_KEY
 from fxoverlap.program_ops import stage_calls
+from fxoverlap.runtime import storage_key
 from fxoverlap.stage import Stage
 
 log = logging.getLogger("fxoverlap")
@@ -117,10 +118,6 @@ def in_flight_depth(program: torch.fx.GraphModule) -> int:
             if b > a and first[b] < last[a]:
                 depth = max(depth, b - a + 1)
     return depth
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.untyped_storage().data_ptr())
 
 
 class CudaBackend:
@@ -272,7 +269,7 @@ class StageGraphs:
         for a in args:
             if not isinstance(a, torch.Tensor) or a.device != self.device:
                 continue
-            hit = self._owned.get(_storage_key(a))
+            hit = self._owned.get(storage_key(a))
             if hit is None or hit[1] == cur:
                 continue
             if ev is None:
@@ -305,7 +302,7 @@ class StageGraphs:
                 kind = _CONST
             elif name in self.static_names:
                 kind = _STATIC
-                static_storage.add(_storage_key(a))
+                static_storage.add(storage_key(a))
             elif self._out_ids.get(id(a)) == copy:
                 kind = _SHARED
             else:
@@ -337,7 +334,7 @@ class StageGraphs:
         for o in outs:
             if isinstance(o, torch.Tensor):
                 self._out_ids.setdefault(id(o), copy)
-                key = _storage_key(o)
+                key = storage_key(o)
                 if key not in static_storage:  # a view of a parameter is not graph memory
                     self._owned.setdefault(key, (copy, cur))
         return g

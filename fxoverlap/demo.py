@@ -16,18 +16,14 @@ import torch.distributed as dist
 import fxoverlap
 from fxoverlap.engine import format_stage_table
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.testing import eager_steps, grad_diff, run_distributed, take_grads
+from fxoverlap.testing import eager_steps, grad_diff, run_distributed, take_grads, token_batches
 
 
 def _rank_main(rank: int, world: int, microbatches: int, routing: str) -> dict:
     torch.manual_seed(0)
     cfg = MoEConfig.tiny(routing=routing, shared_expert_dim=32, layer_pattern=("moe", "moe", "dense"), n_layers=3)
     model = MoETransformer(cfg, dist.group.WORLD)
-    g = torch.Generator().manual_seed(rank)
-    mbs = [
-        (torch.randint(0, cfg.vocab_size, (2, 32), generator=g), torch.randint(0, cfg.vocab_size, (2, 32), generator=g))
-        for _ in range(microbatches)
-    ]
+    mbs = token_batches(cfg.vocab_size, microbatches, (2, 32), seed=rank)
     t0 = time.perf_counter()
     ref_losses = eager_steps(model, mbs)
     eager_s = time.perf_counter() - t0

@@ -136,10 +136,10 @@ class ProgramRunner:
                 stage = self.stages[step.stage]
                 mb = step.microbatch
                 # inputs written on the other stream (placeholders count as compute)
-                cross = tuple(i for i, v in enumerate(stage.inputs)
-                              if stream_of.get((mb, v), StreamKind.COMP) is not stage.stream)
-                for v in stage.outputs:
-                    stream_of[(mb, v)] = stage.stream
+                cross = tuple(i for i, v in enumerate(step.reads)
+                              if stream_of.get((mb, v), StreamKind.COMP) is not step.stream)
+                for v in step.writes:
+                    stream_of[(mb, v)] = step.stream
                 if stage.direction is Direction.BWD and self.backward_start is None:
                     self.backward_start = len(self._bound)
                     while self.backward_start and self._bound[self.backward_start - 1][0] == self.wait_event:
@@ -298,13 +298,14 @@ def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
     return state.outputs[0][capture.loss_name]
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
+def storage_key(t: torch.Tensor) -> tuple:
+    """What identifies ``t``'s memory: views of one storage share it."""
     return (t.device, t.untyped_storage().data_ptr())
 
 
 def static_storage_keys(static: dict) -> frozenset:
     """Storages of the parameters and buffers (views of them, like ``w.t()``, share these)."""
-    return frozenset(_storage_key(v) for v in static.values() if isinstance(v, torch.Tensor))
+    return frozenset(storage_key(v) for v in static.values() if isinstance(v, torch.Tensor))
 
 
 def live_bytes(stores: Sequence[dict], static_keys: frozenset | dict) -> int:
@@ -325,7 +326,7 @@ def live_bytes(stores: Sequence[dict], static_keys: frozenset | dict) -> int:
             if not isinstance(v, torch.Tensor) or id(v) in seen_ids:
                 continue
             seen_ids.add(id(v))
-            key = _storage_key(v)
+            key = storage_key(v)
             if key not in seen:
                 seen.add(key)
                 total += v.untyped_storage().nbytes()

@@ -59,19 +59,46 @@ def run_distributed_once(fn: Callable, *args: Any, world_size: int = 2) -> list[
     return _ONCE[key]
 
 
-def grad_diff(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
-    """(max abs diff, max |ref grad|, bitwise) between ``model``'s grads and ``ref``."""
-    worst, scale, bitwise = 0.0, 0.0, True
+def token_batches(vocab: int, n: int, shape: tuple[int, int] = (2, 16), seed: int = 0,
+                  device: torch.device | str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` microbatches ``(tokens, labels)`` of random token ids below ``vocab``, each of
+    ``shape``, from a CPU generator seeded with ``seed`` (so any device gets the same data)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        mb = (torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+        out.append(mb if device is None else (mb[0].to(device), mb[1].to(device)))
+    return out
+
+
+def grad_compare(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``model``'s gradients against ``ref`` (parameter name -> tensor, on any device):
+    ``max_abs_diff``, ``max_abs_ref`` (max |ref grad|), ``bitwise`` and ``missing`` (the
+    parameters with a gradient on one side only)."""
+    worst = scale = 0.0
+    bitwise, missing = True, []
     for name, p in model.named_parameters():
         r = ref.get(name)
-        if r is None and p.grad is None:
-            continue
         if (r is None) != (p.grad is None):
-            return float("inf"), 0.0, False
-        worst = max(worst, (p.grad.double() - r.double()).abs().max().item())
-        scale = max(scale, r.abs().max().item())
-        bitwise &= torch.equal(p.grad, r)
-    return worst, scale, bitwise
+            missing.append(name)
+            continue
+        if r is None:
+            continue
+        g = p.grad.detach()
+        r = r.to(g.device)
+        # exact: bf16/fp16 differences in fp32, fp32 ones in fp64
+        dt = torch.float32 if g.dtype in (torch.bfloat16, torch.float16) else torch.float64
+        worst = max(worst, (g.to(dt) - r.to(dt)).abs().max().item())
+        scale = max(scale, r.to(dt).abs().max().item())
+        bitwise &= torch.equal(g, r)
+    return {"max_abs_diff": worst, "max_abs_ref": scale, "bitwise": bitwise, "missing": missing}
+
+
+def grad_diff(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> tuple[float, float, bool]:
+    """(max abs diff, max |ref grad|, bitwise) between ``model``'s grads and ``ref``;
+    ``(inf, 0, False)`` when a parameter has a gradient on one side only."""
+    c = grad_compare(model, ref)
+    return (float("inf"), 0.0, False) if c["missing"] else (c["max_abs_diff"], c["max_abs_ref"], c["bitwise"])
 
 
 def eager_steps(model: torch.nn.Module, microbatches, rounds: int = 1) -> list[torch.Tensor]:

@@ -2,7 +2,9 @@
 
 ``a2a``: expert-parallel token all-to-all over ``torch.distributed`` (NCCL on GPU,
 gloo on CPU). ``grouped_gemm``: expert GEMMs (``torch._grouped_mm`` or a loop).
-``deepep``: DeepEP, imported only when asked for. ``static_ep``: sync-free, static-shape
+``static_ep``: sync-free, static-shape
 dispatch/combine over a fixed per-link capacity, moved by a transport: ``padded`` (equal-split
 all-to-all) or ``symm_mem`` (CUDA symmetric memory; imported only when used).
+``deepep``: the op names of DeepEP's dispatch and combine, which the tag pass
+recognises (``deep_ep`` itself is never imported).
 """

@@ -1,6 +1,9 @@
 """fxoverlap's graph passes, one per module, each with one public entry point.
 
-capture -> tag -> recompute -> split -> schedule -> streams -> cudagraph -> free
+capture -> tag -> side -> recompute -> split -> cudagraph -> inductor   (once per plan)
+schedule -> streams -> free                                            (once per microbatch count)
+
+``fxoverlap.pipeline`` runs them in this order for both entry points.
 """
 
 from fxoverlap.passes.capture import Capture, CaptureError, capture

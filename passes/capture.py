@@ -1,26 +1,40 @@
 """capture: trace forward + loss + backward of a model into one joint FX graph.
 
-Uses AOTAutograd's ``aot_export_joint_with_descriptors`` with no decompositions,
-so every node is the aten op eager runs and executing the graph reproduces
-eager's loss and gradients bitwise on CPU. Inputs are faked with static shapes
-under a ``ShapeEnv``, so a data-dependent dispatch (dropless routing) gets an
-unbacked row count and one capture serves every routing outcome. Nothing is
-communicated while tracing.
-
-While tracing, forward hooks annotate the ops of each decoder layer with
-``{"fxoverlap_layer": i, "fxoverlap_child": name}`` (``torch.fx.traceback.annotate``);
-backward nodes carry the annotation of the forward op they differentiate. The
-children of a wrapped layer (``checkpoint_wrapper``, a ``torch.compile``'d module)
-are those of the module it wraps. Ops run inside a non-reentrant
-``torch.utils.checkpoint`` call are annotated ``{"fxoverlap_checkpoint": id}`` (see
-:func:`_mark_checkpoints`), so the recompute pass can replay them.
-
+Contract
+--------
 Assumes: the model's decoder layers are the entries of one ``nn.ModuleList`` or
 ``nn.ModuleDict`` (found by size, or named by ``OverlapConfig.layer_container``),
-called once each per forward; the loss is a scalar tensor (the torch.compile
-backend accepts any tensor outputs). Buffers and inputs the forward updates in
-place (a load-balance counter, a running statistic) are allowed: the capture
-names each new value and what it must be copied into (``Capture.mutations``).
+called once each per forward; the inputs are tensors; the loss is a scalar tensor
+(``scalar_loss=False``, for the torch.compile backend: any tensor outputs). Buffers
+and inputs the forward updates in place (a load-balance counter, a running
+statistic) are allowed; parameters updated in place are not.
+
+Guarantees: a :class:`Capture`: the joint graph from AOTAutograd's
+``aot_export_joint_with_descriptors`` with no decompositions, so every node is the
+aten op eager runs and executing the graph reproduces eager's loss and gradients
+bitwise on CPU; every placeholder and graph output named by role (parameters,
+buffers, inputs, tangents; outputs, parameter gradients, in-place updates in
+``Capture.mutations``). Forward nodes of decoder layer ``i`` carry the annotation
+``{LAYER_KEY: i, CHILD_KEY: child}`` (``node.meta["custom"]``; the children of a
+wrapped layer, ``checkpoint_wrapper`` or a ``torch.compile``'d module, are those of the
+module it wraps); ops run inside a non-reentrant ``torch.utils.checkpoint`` call also
+carry ``{CHECKPOINT_KEY: id}`` (:func:`_mark_checkpoints`), so the recompute pass can
+replay them; backward nodes carry the ``seq_nr`` of the forward op they differentiate. Inputs are faked with static
+shapes under a ``ShapeEnv``, so a data-dependent dispatch (dropless routing) gets an
+unbacked row count and one capture serves every routing outcome. Nothing runs on
+real data and nothing is communicated. A model that cannot be traced raises
+:class:`CaptureError` saying why and what to change.
+
+Steps
+-----
+1. Find the decoder layers (``find_layers``).
+2. Trace the train step (``_TrainStep``: model + loss) under forward hooks that
+   annotate each layer's and child's ops (``_annotate_layers``) and with checkpoint
+   calls marked (``_mark_checkpoints``).
+3. Name placeholders and outputs by role from AOTAutograd's descriptors (``_roles``).
+
+Entry point: ``capture(model, inputs, loss_fn=None, layer_container=None, train=True,
+scalar_loss=True) -> Capture``.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Contract
 --------
 Assumes: ``split`` decided each stage's capturability (``stage.not_capturable_reason``:
-communication, host syncs, data-dependent shapes, in-place ops, nothing to launch);
-``compile`` may have lowered stages with Inductor (a compiled stage is captured as
-its compiled kernels).
+communication, host syncs, data-dependent shapes, in-place ops, nothing to launch).
+``inductor`` runs after it and may lower the chosen stages too (a graphed compiled
+stage is captured as its compiled kernels).
 
 Guarantees: ``stage.graphed`` is True exactly for the capturable stages; it adds,
 removes and rewrites no node of any graph. Each stage left out is logged once,
@@ -16,6 +16,10 @@ which the runtime (``fxoverlap.cudagraphs``) owns and overwrites at the next rep
 
 Passes never touch CUDA: this pass runs the same on CPU, where the runtime ignores
 the choice (with a warning). Running it twice gives the same result.
+
+Steps
+-----
+1. Per stage: ``graphed`` = ``capturable``; log each stage left out and why.
 
 Entry point: ``cudagraph(stages) -> None``.
 """

@@ -9,7 +9,8 @@ Models write one interface (``ops.dispatch``/``ops.combine``, or the token-once
   equal-split all-to-all (gloo and NCCL), zero host reads; moves the padding too.
 * ``"symm_mem"``: the same layout, but the real rows are written straight into the
   peers' symmetric memory (CUDA, one host); zero host reads, only real rows move.
-* ``"auto"``: ``symm_mem`` where it can run, else ``all_to_all``.
+* ``"auto"``: ``symm_mem`` where it can run and the EP group has more than one rank, else
+  ``all_to_all``.
 
 Contract
   Assumes: the captured graph (joint or forward-only) before ``tag``; every rank of the
@@ -276,9 +277,12 @@ def _resolve(backend: str, gm: torch.fx.GraphModule, sites: list[Site]) -> str:
     from fxoverlap.kernels import symm_mem
 
     device = _val(sites[0].dispatch.args[0]).device
-    ok, why = symm_mem.usable(a2a.resolve_group(sites[0].group_name), device)
+    group = a2a.resolve_group(sites[0].group_name)
+    ok, why = symm_mem.usable(group, device)
     if backend == "auto":
-        return "symm_mem" if ok else "all_to_all"
+        # One rank has nothing to send: the static layout would only cost (measured on one
+        # H200, docs/benchmarks.md 2026-12-01: 2.6-3.3x slower steps than all_to_all).
+        return "symm_mem" if ok and a2a.world_size(group) > 1 else "all_to_all"
     if not ok:
         raise DispatcherError(
             f"OverlapConfig(dispatcher='symm_mem') cannot run here: {why}. Use dispatcher='padded' (any device, "

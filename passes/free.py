@@ -35,6 +35,15 @@ memory could not pull memory out from under a graph. Megatron-LM had to revert a
 change that resized storage owned by a CUDA graph; this pass keeps that from
 happening here by construction.
 
+Steps
+-----
+1. Walk the nodes in order; per (microbatch, value) keep the anchor of its current
+   definition: its last reader so far, else its producer, else "before the
+   microbatch's first node" (inputs, tangents). A value defined again first closes
+   its previous definition; graph-owned definitions close without a free.
+2. Insert one free per anchor: after the anchor node and the event recorded on its
+   stream right after it, or before the microbatch's first node.
+
 Entry point: ``free(program, stages, capture) -> GraphModule``; assumes ``streams``
 ran (it works without it too). Running it twice is a no-op the second time.
 """

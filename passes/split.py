@@ -1,22 +1,35 @@
 """split: cut the tagged joint graph into stage subgraphs with explicit inputs and outputs.
 
-Each stage holds the nodes of one tag, in graph order, as its own GraphModule.
-Its inputs are the values it reads from placeholders or other stages (saved
-activations are simply forward-stage outputs that a backward stage reads); its
-outputs are the values another stage or the graph output reads. Stages come
-back in plain execution order: every forward stage, then every backward stage.
+Contract
+--------
+Assumes: ``tag`` ran (and ``side``, ``recompute`` where configured): every node but
+placeholders and the output carries a :class:`~fxoverlap.stage.Tag`, and sorting the
+tags by ``Tag.sort_key`` orders every node after its producers.
 
-Each stage records whether a CUDA graph can hold it (``not_capturable_reason``:
-communication, a host sync, a data-dependent shape, an in-place op, or nothing
-to launch), with the node that makes it so; this is the one place that is decided.
+Guarantees: one :class:`~fxoverlap.stage.Stage` per tag, in plain execution order
+(every forward stage, then every backward stage), each holding the nodes of its tag,
+in graph order, as its own GraphModule. Its inputs are the values it reads from
+placeholders or other stages (saved activations are simply forward-stage outputs
+that a backward stage reads); its outputs are the values another stage or the graph
+output reads. Every stage records whether a CUDA graph can hold it
+(``not_capturable_reason``: communication, a host sync, a data-dependent shape, an
+in-place op, or nothing to launch), with the node that makes it so: the one place
+that is decided. The joint graph is not changed.
 
 With ``delay_wgrad``, each backward ``attn``/``experts``/``mlp`` stage is cut in
 two: the weight-gradient part (nodes whose results reach only parameter-gradient
 outputs) becomes a stage of its own, part ``WGRAD`` (``<name>_wgrad``), so the
 schedule can run it where it fills a comm slot.
 
-Entry point: ``split(gm, num_layers, delay_wgrad=False) -> list[Stage]`` (plain
-data); assumes ``tag`` ran.
+Steps
+-----
+1. Group the tagged nodes by tag; with ``delay_wgrad``, cut the weight-gradient part
+   off each backward attn/experts/mlp group (``_wgrad_part``).
+2. Per group in plain order: inputs and outputs (``stage_boundary``), the stage
+   graph (``build_stage_module``), capturability (``not_capturable_reason``).
+3. Check that no stage reads a value a later stage produces (``_check_order``).
+
+Entry point: ``split(gm, num_layers, delay_wgrad=False) -> list[Stage]`` (plain data).
 """
 
 from __future__ import annotations

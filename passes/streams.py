@@ -12,7 +12,18 @@ added. A wait is left out when the consumer's stream already waited on a later
 event of the same producer stream (stream order makes it redundant). The program
 starts with the comm stream waiting for the compute stream (inputs and
 parameters were written there) and ends with the compute stream waiting for the
-comm stream. Which stream a node runs on is the Step's, decided by ``split``.
+comm stream; a program with nothing on the comm stream gets no event at all. Which stream a node runs on is the Step's, decided by ``split``.
+
+Steps
+-----
+1. Record ``start`` on the compute stream before the first node; the first comm
+   node waits on it (without comm nodes, ``start`` is dropped at the end).
+2. Walk the nodes in order, keeping the producer of each (microbatch, value); for a
+   node with producers on the other stream, take the latest: unless its stream
+   already waited on that producer or a later one of that stream, record an event
+   after the producer (once per producer) and wait on it before the node.
+3. With any comm node, record ``end`` on the comm stream and wait on it on the
+   compute stream before the output.
 
 Entry point: ``streams(program) -> GraphModule``.
 """
@@ -36,7 +47,7 @@ def streams(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
     position = {n: i for i, (n, _) in enumerate(nodes)}
     stream_of = {n: s.stream.value for n, s in nodes}
     with graph.inserting_before(nodes[0][0]):
-        graph.call_function(record_event, ("start", COMP))
+        start = graph.call_function(record_event, ("start", COMP))
     start_waited = False
     producer: dict[tuple[int, str], torch.fx.Node] = {}
     recorded: dict[torch.fx.Node, str] = {}
@@ -67,5 +78,7 @@ def streams(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
         with graph.inserting_before(out):
             graph.call_function(record_event, ("end", COMM))
             graph.call_function(wait_event, ("end", COMP))
+    else:  # nothing runs on the comm stream: no stream waits on start
+        graph.erase_node(start)
     program.recompile()
     return program

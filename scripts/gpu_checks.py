@@ -1,4 +1,4 @@
-"""GPU checks for issues 3-5, on 2 ranks with NCCL: ``torchrun --nproc-per-node 2 scripts/gpu_checks.py``.
+"""GPU checks on 2 ranks with NCCL: ``torchrun --nproc-per-node 2 scripts/gpu_checks.py``.
 
 * numerics: bf16 losses and gradients of ``forward_backward`` against eager on the same
   weights and data (dropless, capacity, and dropless with token dedup). Tolerance: gradients are compared by
@@ -46,15 +46,11 @@ import torch.distributed as dist
 import fxoverlap
 from fxoverlap.bench import routing_fields
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.testing import eager_steps, rel_l2, take_grads
+from fxoverlap.testing import eager_steps, rel_l2, take_grads, token_batches
 
 
 def _batches(cfg, n, mbs, seq, device, seed=0):
-    g = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
-    return [
-        tuple(torch.randint(0, cfg.vocab_size, (mbs, seq), generator=g).to(device) for _ in range(2))
-        for _ in range(n)
-    ]
+    return token_batches(cfg.vocab_size, n, (mbs, seq), seed=seed + 1000 * dist.get_rank(), device=device)
 
 
 def _eager(model, batches):
@@ -204,16 +200,19 @@ def check_symm_mem_smoke(device, emit):
               token_combine_vs_formula=combine_ok, ok=all(same) and token_same and combine_ok))
 
 
-def check_numerics(device, emit, small=False):
+def check_numerics(device, emit, small=False, routings=ROUTINGS):
     """bf16 losses and gradients of forward_backward against eager, for both stage
     compilers. compiler="eager" runs eager's kernels: the tolerance is eager's own
     run-to-run noise (x4) or two bf16 roundoffs. compiler="inductor" fuses kernels as
     torch.compile does: its tolerance is twice the difference between torch.compile(model)
     and eager measured here (or the eager one, if larger). With Inductor, the interleaved
-    program must equal the same compiled stages run one microbatch at a time, bitwise."""
+    program must equal the same compiled stages run one microbatch at a time: bitwise on CPU
+    (tests/test_inductor.py); on CUDA within eager's own run-to-run noise, because atomics
+    (embedding and index backward, Inductor's scatter reductions) make some kernels
+    non-deterministic (measured on one H200: not bitwise)."""
     from fxoverlap.runtime import run_plain
 
-    for routing in ROUTINGS:
+    for routing in routings:
         dim, seq = (256, 256) if small else (1024, 1024)
         cfg = MoEConfig.tiny(dim=dim, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=dim // 2,
                              shared_expert_dim=dim // 2, vocab_size=8192, max_seq_len=seq, **routing_fields(routing),
@@ -244,7 +243,10 @@ def check_numerics(device, emit, small=False):
                 gp = take_grads(model, torch.float32)
                 r["plain_order_bitwise"] = all(torch.equal(a, b) for a, b in zip(plain, losses)) and all(
                     torch.equal(gp[k], gf[k]) for k in gf)
-                r["ok"] = r["ok"] and r["plain_order_bitwise"]
+                # Same kernels, same inputs: bitwise but for the kernels that are not deterministic
+                # on CUDA (atomics: eager differs from itself by eager_noise), so within that noise.
+                r["plain_order_rel_l2"], _ = rel_l2(gf, gp)
+                r["ok"] = r["ok"] and r["plain_order_rel_l2"] <= max(2 * noise, 2.0 ** -7)
             emit(r)
 
 
@@ -405,6 +407,7 @@ def main() -> None:
     p.add_argument("--checks", default="numerics,memory,recompute")
     p.add_argument("--out", default=None)
     p.add_argument("--small", action="store_true", help="a small model for the numerics check (e.g. under CSAN)")
+    p.add_argument("--routings", default=",".join(ROUTINGS), help="routings of the numerics check")
     args = p.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(rank)
@@ -419,7 +422,7 @@ def main() -> None:
 
     for name in args.checks.split(","):
         if name == "numerics":
-            check_numerics(device, emit, small=args.small)
+            check_numerics(device, emit, small=args.small, routings=args.routings.split(","))
         else:
             checks = {"memory": check_memory, "recompute": check_recompute, "csan": check_csan, "row_sum": check_row_sum,
                       "symm_mem": check_symm_mem, "symm_mem_smoke": check_symm_mem_smoke, "ac": check_ac}

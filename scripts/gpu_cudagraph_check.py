@@ -1,4 +1,4 @@
-"""GPU check of CUDA graphs (issue 6, item 1) on 2 ranks with NCCL:
+"""GPU check of CUDA graphs (``OverlapConfig(cuda_graphs=True)``) with NCCL:
 
     torchrun --nproc-per-node N scripts/gpu_cudagraph_check.py [--out results.jsonl]
 
@@ -22,7 +22,7 @@ graph). Per variant:
 * teardown: ``engine.close()`` for every engine, then ``dist.destroy_process_group()``,
   under a 60 s watchdog thread that prints ``TEARDOWN HANG`` and exits with status 3
   if they do not return (a process that had captured NCCL kernels hung there,
-  DESIGN.md; comm stages are never captured, and the graphs are released first).
+  docs/design.md; comm stages are never captured, and the graphs are released first).
 
 Rank 0 prints one ``CUDAGRAPH {json}`` line after teardown. Exit status: 0 when
 every check passed, 1 when one failed, 3 on a teardown hang.
@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.testing import eager_steps, rel_l2, take_grads
+from fxoverlap.testing import eager_steps, rel_l2, take_grads, token_batches
 
 SHAPE = dict(dim=1024, n_heads=8, n_layers=4, n_experts=16, top_k=4, expert_dim=512, shared_expert_dim=512,
              vocab_size=8192, max_seq_len=1024, routing="capacity")
@@ -53,11 +53,7 @@ TEARDOWN_TIMEOUT_S = 60
 
 
 def _batches(cfg, device, seed=0):
-    g = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
-    return [
-        tuple(torch.randint(0, cfg.vocab_size, (MBS, SEQ), generator=g).to(device) for _ in range(2))
-        for _ in range(N_MB)
-    ]
+    return token_batches(cfg.vocab_size, N_MB, (MBS, SEQ), seed=seed + 1000 * dist.get_rank(), device=device)
 
 
 def _grads(model):

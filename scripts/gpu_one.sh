@@ -23,6 +23,8 @@ PY=${PY:-python3}
 PARTS=${PARTS:-"peer small checks"}
 ROUTINGS=${ROUTINGS:-"dropless capacity dedup"}
 SMALL_ROUTINGS=${SMALL_ROUTINGS:-"capacity dropless"}
+SMALL_MODES=${SMALL_MODES:-eager,compile,fxoverlap}
+CHECK_ROUTINGS=${CHECK_ROUTINGS:-dropless,capacity,dedup}
 OUT=${OUT:-bench_out/gpu_one}
 WARM=${WARM:-1}
 MODES=${MODES:-eager,compile,backend,fxoverlap}
@@ -67,13 +69,14 @@ for part in $PARTS; do
       fi ;;
     small)
       for r in $SMALL_ROUTINGS; do
-        bench "small_$r" 200 --routing "$r" --modes eager,compile,fxoverlap --iters 20 \
+        bench "small_$r" 200 --routing "$r" --modes "$SMALL_MODES" --iters 20 \
           --layers 2 --dim 1024 --heads 8 --experts 8 --top-k 2 --expert-dim 512 --vocab 8192 --seq 1024 \
           --microbatches 4 --overlap-config cuda_graphs=1
       done ;;
     checks)
       say "step gpu_checks numerics"
       timeout 300 torchrun --standalone --nproc-per-node 1 scripts/gpu_checks.py --checks numerics --small \
+        --routings "$CHECK_ROUTINGS" \
         --out "$OUT/gpu_checks.jsonl" >"$OUT/gpu_checks.log" 2>&1 || say "gpu_checks failed (rc $?)"
       grep "^CHECK" "$OUT/gpu_checks.log" | cut -c1-400 | tee -a "$LOG"
       say "step gpu_cudagraph_check"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks (issues 3-5) and overlap tuning variants (issue 6), one GPU session.
+# GPU checks (numerics, memory, recompute, CSAN) and overlap tuning variants, one GPU session.
 #
 #     bash scripts/gpu_tune.sh          # on a 2-GPU machine; outputs under $OUT
 #

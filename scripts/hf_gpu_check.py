@@ -10,7 +10,7 @@ import copy, json, os, sys, time, traceback
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 import hf_cases  # noqa: E402
 import fxoverlap  # noqa: E402
 from fxoverlap.testing import take_grads  # noqa: E402
@@ -77,7 +77,7 @@ def main():
                     if truth is not None:
                         row[mode]["vs_fp32"] = max(hf_cases.rel({n: p.grad for n, p in model.named_parameters()}, truth).values())
                     if engine is not None:
-                        row[mode]["comm_stages"] = sorted({s.name.split("_", 2)[-1] for s in engine.stages if str(s.stream) == "comm"})
+                        row[mode]["comm_stages"] = sorted({s.name.split("_", 2)[-1] for s in engine.stages if s.stream is fxoverlap.StreamKind.COMM})
                 row["seconds"] = round(time.perf_counter() - t0, 2)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:600]

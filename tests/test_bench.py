@@ -1,5 +1,6 @@
-"""The benchmark (``python -m fxoverlap.bench``): its T_serial / T_bound arithmetic, and a
-CPU smoke run of the real command under torchrun on 2 gloo ranks for a tiny shape."""
+"""The benchmark (``python -m fxoverlap.bench``): its T_serial / T_bound arithmetic
+(``fxoverlap.bench.metrics``), and a CPU smoke run of the real command under torchrun on
+2 gloo ranks for a tiny shape, every mode, tabulated by ``scripts/bench_summary.py``."""
 
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ import sys
 
 import pytest
 
-from fxoverlap.bench import (
+from fxoverlap.bench import MODES, parse_args, parse_overlap_config, routing_fields
+from fxoverlap.bench.metrics import (
     ProgramCall,
     combine_rank_times,
+    kind_of,
     overlap_efficiency,
-    parse_args,
-    parse_overlap_config,
     serial_and_bound,
+    stream_sums,
     timeline_stats,
 )
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _calls():
@@ -69,6 +73,14 @@ def test_timeline_stats():
     assert (r["step_ms"], r["comp_busy_ms"], r["comm_busy_ms"]) == (8.0, 7.0, 5.0)
     assert r["comm_overlapped_ms"] == pytest.approx(4.0)  # [1, 4] and [5, 6]
     assert st["by_kind_rank0"]["B combine"] == {"in_step_ms": 5.0, "alone_ms": 4.0, "calls": 1}
+    inside, alone = stream_sums(st["by_kind_rank0"])
+    assert (inside, alone) == ({"comp": 7.0, "comm": 5.0}, {"comp": 6.0, "comm": 4.0})
+
+
+def test_kind_of_stage_names():
+    assert [kind_of(n) for n in ("fwd_model_embed", "bwd_l3_attn_wgrad", "fwd_l0_experts", "bwd_l1_recompute",
+                                  "fwd_l2_attn_side", "something")] == [
+        "embed", "attn", "experts", "recompute", "attn", "other"]
 
 
 def test_args():
@@ -78,6 +90,12 @@ def test_args():
     assert a.seq == 32 and a.overlap.comm_stream_priority == 0 and a.overlap.delay_wgrad is True
     with pytest.raises(ValueError, match="not FIELD=VALUE"):
         parse_overlap_config("no_such_field=1")
+    assert parse_args([]).modes == list(MODES) == ["eager", "compile", "backend", "fxoverlap"]
+    a = parse_args(["--modes", "eager,fxoverlap", "--no-stage-timing"])
+    assert a.modes == ["eager", "fxoverlap"] and a.no_stage_timing
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "eager,nope"])
+    assert routing_fields("dedup") == dict(routing="dropless", token_dedup=True)
 
 
 def test_bench_cpu_two_ranks(tmp_path):
@@ -97,10 +115,17 @@ def test_bench_cpu_two_ranks(tmp_path):
     st = r["stage_timing"]
     assert st["slots"] > 0 and st["comm"] > 0 and st["comp"] > 0
     assert r["overlap_efficiency"] is not None and math.isfinite(r["overlap_efficiency"])
-    for mode in ("eager", "fxoverlap"):
+    assert list(r["modes"]) == list(MODES)  # every mode by default
+    for mode in MODES:
         m = r["modes"][mode]
         assert m["step_ms"] > 0 and m["tokens_per_s"] > 0 and len(m["step_ms_per_rank"]) == 2
-    assert r["speedup_vs_eager"] > 0
+    # speed-ups of every mode against eager and against torch.compile(model)
+    for base in ("eager", "compile"):
+        sp = r["speedups"][base]
+        assert sp[base] == 1.0
+        for mode in MODES:
+            assert sp[mode] == pytest.approx(r["modes"][base]["step_ms"] / r["modes"][mode]["step_ms"])
+    assert r["speedup_vs_eager"] == r["speedups"]["eager"]["fxoverlap"]
     assert r["run"]["tokens_per_step_global"] == 2 * 3 * 2 * 32
 
     # Same weights and data in both modes: the losses (and, fp32 on CPU, the grads) agree.
@@ -110,6 +135,8 @@ def test_bench_cpu_two_ranks(tmp_path):
         assert lf == pytest.approx(le, rel=1e-6, abs=1e-6)
     n = r["numerics"]
     assert n["grad_max_abs_diff"] <= 1e-6 * n["grad_max_abs_eager"] and not n["grads_missing"]
+    for mode in ("compile", "backend"):  # Inductor's fused kernels: close, not bitwise
+        assert n[mode]["grad_max_abs_diff"] <= 1e-5 * n[mode]["grad_max_abs_eager"] and not n[mode]["grads_missing"]
     assert n["eager_rerun_grads_bitwise"] is True  # CPU kernels are deterministic
     ranks = r["timeline_stats"]["per_rank"]
     assert len(ranks) == 2 and all(x["comm_busy_ms"] > 0 and x["comp_busy_ms"] > 0 for x in ranks)
@@ -125,3 +152,11 @@ def test_bench_cpu_two_ranks(tmp_path):
         assert "skipping the timeline PNG" in proc.stdout
     else:
         assert (out / "smoke_timeline.png").stat().st_size > 0
+
+    # scripts/bench_summary.py tabulates the run: one row per mode, with both speed-ups
+    table = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_summary.py"), str(out)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    for mode in MODES:
+        row = next(line for line in table.splitlines() if line.startswith(f"| smoke | {mode} |"))
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert cells[5] == f"{r['speedups']['eager'][mode]:.3f}×" and cells[6] == f"{r['speedups']['compile'][mode]:.3f}×"

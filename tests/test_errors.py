@@ -9,7 +9,7 @@ import torch.nn as nn
 import error_cases
 import fxoverlap
 from fxoverlap import ops
-from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.models import MoEConfig
 from fxoverlap.passes import CaptureError, TagError, capture, split, tag
 from fxoverlap.testing import run_distributed
 
@@ -109,7 +109,12 @@ def test_new_shapes_in_a_later_call_are_captured_anew():
         model.zero_grad(set_to_none=True)
         engine.forward_backward([x])
         assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), ref))
-    assert len(engine._plans) == 2
+    # one plan per input signature, kept: the last call ran the 6-row plan's program, and
+    # the 4-row plan is still there, with a capture of its own
+    six, four = engine.plan([torch.randn(6, 8)]), engine.plan([torch.randn(4, 8)])
+    assert engine.program is six.program
+    assert four.capture is not six.capture and four.capture.signature != six.capture.signature
+    assert engine.plan([torch.randn(4, 8)]).program is four.program
 
 
 def test_config_errors():

@@ -29,7 +29,7 @@ import torch
 import hf_cases
 import fxoverlap
 from fxoverlap.expert_parallel import ExpertParallelError, explain_capture_error, find_experts
-from fxoverlap.passes.capture import capture
+from fxoverlap.passes.capture import CaptureError, capture
 from fxoverlap.testing import run_distributed, take_grads
 
 pytest.importorskip("transformers")
@@ -172,18 +172,26 @@ def test_undeclared_layout_error():
 
 
 def _capture_error(model) -> BaseException:
+    """The raw torch error capture hit; capture itself raises a CaptureError that explains it."""
     ids = hf_cases.batches(0, n=1)[0]
     with pytest.raises(Exception) as err:
         capture(model, (ids,), hf_cases.next_token_loss)
-    return err.value
+    exc = err.value
+    if isinstance(exc, CaptureError):
+        assert exc.__cause__ is not None and str(exc) == explain_capture_error(model, exc.__cause__)
+        return exc.__cause__
+    return exc
 
 
 def test_explain_fp32_grouped_mm():
     model = hf_cases.build("qwen3_moe", experts_implementation="grouped_mm")
-    exc = _capture_error(model)
+    err = _capture_error(model)
+    # capture raises the explanation, from torch's own error
+    assert isinstance(err, CaptureError) and err.__cause__ is not None
+    exc = err.__cause__
     assert "Expected inputs of BF16 type" in str(exc)  # what torch itself says
     msg = explain_capture_error(model, exc)
-    assert msg is not None
+    assert msg is not None and str(err) == msg
     for part in ("model.layers.0.mlp.experts (Qwen3MoeExperts)", 'experts_implementation="grouped_mm"',
                  "torch._grouped_mm accepts only bfloat16", "torch.float32",
                  "fxoverlap.expert_parallel(model, ep_group)"):
@@ -198,10 +206,12 @@ def test_explain_fp32_grouped_mm():
 
 def test_explain_eager_experts_loop():
     model = hf_cases.build("mixtral", experts_implementation="eager")
-    exc = _capture_error(model)
+    err = _capture_error(model)
+    assert isinstance(err, CaptureError) and err.__cause__ is not None
+    exc = err.__cause__
     assert type(exc).__name__ == "GuardOnDataDependentSymNode"
     msg = explain_capture_error(model, exc)
-    assert msg is not None
+    assert msg is not None and str(err) == msg
     for part in ("model.layers.0.mlp.experts (MixtralExperts)", 'experts_implementation="eager"',
                  "loop over the experts that were hit", "guard on Eq(u0, ", "fxoverlap.expert_parallel(model, ep_group)",
                  'experts_implementation="grouped_mm" in bfloat16'):

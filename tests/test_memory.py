@@ -1,4 +1,5 @@
-"""Early-free pass and memory accounting (issue 4), on CPU.
+"""Early-free pass and memory accounting on the reference model, on CPU (the pass on
+hand-built programs: tests/test_passes.py).
 
 - numerics with freeing on (and off) equal eager's, on 2 gloo ranks;
 - every per-microbatch value is freed exactly once, after its last use, and the
@@ -11,7 +12,6 @@
 
 from __future__ import annotations
 
-import copy
 import unittest
 
 import expecttest
@@ -21,78 +21,26 @@ import torch.distributed as dist
 import fxoverlap
 from fxoverlap import program_ops
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.passes.free import free
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
-from fxoverlap.meta import STEP_KEY
-from fxoverlap.program_ops import Step
 from fxoverlap.runtime import ProgramRunner, accumulate_into, live_bytes, static_storage_keys, static_values
-from fxoverlap.stage import Direction, StreamKind
-from fxoverlap.testing import grad_diff, run_distributed
+from fxoverlap.stage import Direction
+from fxoverlap.testing import grad_diff, run_distributed, token_batches
 from numerics_cases import eager_grads
-from snapshot_utils import render_program
+from pass_cases import check_program_frees
+from snapshot_utils import render_program, requires_pinned_torch
 
 CFG = MoEConfig.tiny(n_layers=2, dim=32, n_heads=2, n_experts=4, expert_dim=16)
-PINNED = torch.__version__.startswith("2.13")
 
 
 def _model_and_batches(rank: int, ep_group, n_mb: int):
     torch.manual_seed(0)
     model = MoETransformer(CFG, ep_group)
-    g = torch.Generator().manual_seed(100 + rank)
-    mbs = [
-        (torch.randint(0, CFG.vocab_size, (2, 16), generator=g), torch.randint(0, CFG.vocab_size, (2, 16), generator=g))
-        for _ in range(n_mb)
-    ]
-    return model, mbs
+    return model, token_batches(CFG.vocab_size, n_mb, seed=100 + rank)
 
 
 def _capture_of(engine, mbs):
     return engine.plan(mbs).capture
-
-
-def check_program_frees(program, capture) -> int:
-    """Walk the program: no node reads a freed value, nothing is freed twice, every
-    per-microbatch value is freed, and each free follows the node it belongs to with
-    at most event records in between. Returns the number of free nodes."""
-    static = capture.static_placeholders
-    produced: set[tuple[int, str]] = set()
-    freed: set[tuple[int, str]] = set()
-    started: set[int] = set()
-    count = 0
-    for n in program.graph.nodes:
-        step = n.meta.get(STEP_KEY)
-        if step is not None:
-            mb = step.microbatch
-            if mb not in started:
-                started.add(mb)
-                produced.update((mb, v) for v in (*capture.input_placeholders, *capture.tangents))
-            for v in step.reads:
-                assert (mb, v) not in freed, f"{n.name} reads {v} of microbatch {mb} after it was freed"
-            born = {(mb, v) for v in step.writes}
-            produced |= born
-            freed -= born  # produced again (a recompute stage): a new definition to free
-        elif n.op == "call_function" and n.target is program_ops.free:
-            count += 1
-            mb, *names = n.args
-            for v in names:
-                assert v not in static, f"{n.name} frees parameter/buffer {v}"
-                assert (mb, v) not in freed, f"{n.name} frees {v} of microbatch {mb} twice"
-                freed.add((mb, v))
-            if not n.name.startswith("free_inputs"):
-                prev, events = n.prev, []
-                while prev.op == "call_function" and prev.target is program_ops.record_event:
-                    events.append(prev)
-                    prev = prev.prev
-                prev_step = prev.meta.get(STEP_KEY)
-                assert prev_step is not None and prev_step.microbatch == mb, f"{n.name} does not follow a node of mb {mb}"
-                # only the event recorded on the node's own stream right after it sits in between
-                assert all(e.args[1] == prev_step.stream.value for e in events), f"{n.name}: {events}"
-                touched = set(prev_step.reads) | set(prev_step.writes) | set(capture.tangents)
-                assert set(names) <= touched, f"{n.name} frees {set(names) - touched}, which {prev.name} does not touch"
-    leaked = {(mb, v) for mb, v in produced if v not in static} - freed
-    assert not leaked, f"never freed: {sorted(leaked)[:10]}"
-    return count
 
 
 def stage_bytes(stages, capture, model, mbs, only: set[str] | None = None) -> tuple[int, int, str]:
@@ -207,55 +155,6 @@ class TestFreePass(expecttest.TestCase):
         n = sum(1 for node in engine.program.graph.nodes if node.op == "call_module" or node.target is program_ops.free)
         self.assertEqual(len(engine.memory_trace), n + 1)
 
-    def test_cudagraph_owned_outputs_are_never_freed(self):
-        engine, _, mbs = self._engine()
-        cap = _capture_of(engine, mbs)
-        stages = [copy.copy(s) for s in engine.stages]
-        post = next(s for s in stages if s.name == "fwd_l0_post")
-        post.graphed = True
-        prog = free(streams(schedule(stages, cap, 2)), stages, cap)
-        freed = [v for n in prog.graph.nodes if n.target is program_ops.free for v in n.args[1:]]
-        for v in post.outputs:
-            self.assertNotIn(v, freed)
-        experts = next(s for s in stages if s.name == "fwd_l0_experts")
-        self.assertIn(experts.outputs[0], freed)  # other stages' outputs still are
-        # a second run of the pass adds nothing
-        before = prog.code
-        self.assertEqual(free(prog, stages, cap).code, before)
-
-    def test_value_produced_again_is_freed_per_definition(self):
-        # A recompute stage replays x: the forward x is freed after its last forward
-        # reader, not kept alive until the backward.
-        from types import SimpleNamespace
-
-        import torch.nn as nn
-
-        def step(name, direction, reads, writes):
-            return name, Step(0, StreamKind.COMP, tuple(reads), tuple(writes), name)
-
-        F, B = Direction.FWD, Direction.BWD
-        calls = [
-            step("fwd_a", F, ["inp", "w"], ["x", "loss"]),
-            step("fwd_b", F, ["x"], ["y"]),
-            step("rec", B, ["inp"], ["x"]),
-            step("bwd_a", B, ["x", "y", "tan", "w"], ["gw"]),
-        ]
-        cap = SimpleNamespace(static_placeholders={"w"}, input_placeholders=["inp"], tangents={"tan": "loss"})
-        root, graph = nn.Module(), torch.fx.Graph()
-        for name, st in calls:
-            root.add_module(name, program_ops.StageCall(name))
-            node = graph.call_module(name, (0,))
-            node.meta[STEP_KEY] = st
-        graph.output(None)
-        prog = free(torch.fx.GraphModule(root, graph), [], cap)
-        frees = [(n.prev.name, n.args[1:]) for n in prog.graph.nodes if n.target is program_ops.free]
-        self.assertEqual(frees, [
-            ("fwd_a", ("loss",)),
-            ("fwd_b", ("x",)),
-            ("rec", ("inp",)),
-            ("bwd_a", ("tan", "y", "x", "gw")),
-        ])
-
     def test_live_bytes_dedupes_views_and_skips_params(self):
         p = torch.nn.Parameter(torch.zeros(4, 4))
         x = torch.zeros(8, 8)
@@ -275,7 +174,7 @@ class TestFreePass(expecttest.TestCase):
         self.assertGreater(peak(off), peak(on))
         self.assertGreater(off.memory_trace[-1][2], 0)
 
-    @unittest.skipUnless(PINNED, "snapshot pinned to torch 2.13 (aten op names change across releases)")
+    @requires_pinned_torch
     def test_program_snapshot(self):
         engine, _, _ = self._engine()
         self.assertExpectedInline(render_program(engine.program), """\

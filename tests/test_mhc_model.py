@@ -18,7 +18,7 @@ from fxoverlap.models.mhc import HyperConnection, sinkhorn
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.region import REGION_KEY
 from fxoverlap.runtime import run_plain
-from fxoverlap.testing import eager_steps, grad_diff, run_distributed, take_grads
+from fxoverlap.testing import eager_steps, grad_diff, run_distributed, take_grads, token_batches
 
 # mHC on x final layer MoE / dense x MTP on / off.
 MHC_CONFIGS = [
@@ -29,8 +29,7 @@ MHC_CONFIGS = [
 
 
 def _batch(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g)
+    return token_batches(vocab, 1, seed=seed)[0]
 
 
 # ------------------------------------------------------------------ eager

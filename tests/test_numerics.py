@@ -1,6 +1,6 @@
 """Numerics against eager on 2 gloo ranks (CPU fp32).
 
-Tolerance (DESIGN.md): max abs grad diff <= 1e-6 * max |eager grad|. The stage
+Tolerance: max abs grad diff <= 1e-6 * max |eager grad|. The stage
 graphs run the very aten ops eager runs, in the same order per microbatch, so we
 also record whether results are bitwise equal; they are in every case here.
 """

@@ -17,6 +17,7 @@ from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
 from fxoverlap.program_ops import stage_calls
 from fxoverlap.stage import StreamKind
+from fxoverlap.testing import token_batches
 from snapshot_utils import render_program, render_tagged, requires_pinned_torch
 
 CFG = MoEConfig.tiny(n_layers=2, dim=32, n_heads=2, n_experts=4, expert_dim=16, dense_dim=32,
@@ -24,8 +25,7 @@ CFG = MoEConfig.tiny(n_layers=2, dim=32, n_heads=2, n_experts=4, expert_dim=16, 
 
 
 def _batch():
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g)
+    return token_batches(32, 1, (2, 8))[0]
 
 
 def _stages():

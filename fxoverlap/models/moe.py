@@ -94,7 +94,7 @@ class MoEConfig:
 
     @classmethod
     def benchmark(cls, **overrides) -> "MoEConfig":
-        """The shape of the Megatron-Core peer measurement in DESIGN.md."""
+        """The shape of the Megatron-Core peer measurement (docs/benchmarks.md)."""
         base = dict(
             vocab_size=32768, dim=4096, n_heads=32, n_layers=4, n_experts=32, top_k=8,
             expert_dim=1024, dense_dim=16384, max_seq_len=4096,

@@ -9,15 +9,12 @@ import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.runtime import run_plain
-from fxoverlap.testing import eager_steps, grad_diff, take_grads
+from fxoverlap.testing import eager_steps, grad_diff, take_grads, token_batches
 
 
 def make_batches(rank: int, vocab: int, n: int, seed: int = 0, batch=(2, 16)):
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    return [
-        (torch.randint(0, vocab, batch, generator=g), torch.randint(0, vocab, batch, generator=g))
-        for _ in range(n)
-    ]
+    """This rank's ``n`` microbatches: different data on every rank, and for every ``seed``."""
+    return token_batches(vocab, n, batch, seed=1000 * seed + rank)
 
 
 def eager_grads(model, mbs, rounds: int = 1):
@@ -25,7 +22,7 @@ def eager_grads(model, mbs, rounds: int = 1):
 
 
 def stagewise(rank: int, world: int, configs: list[dict]) -> list[dict]:
-    """Issue 2: one microbatch through capture -> tag -> split, stages in plain order."""
+    """One microbatch through capture -> tag -> split, stages in plain order."""
     out = []
     for kw in configs:
         torch.manual_seed(0)
@@ -43,7 +40,7 @@ def stagewise(rank: int, world: int, configs: list[dict]) -> list[dict]:
 
 
 def interleaved(rank: int, world: int, configs: list[dict], ns: list[int], delay_wgrad: bool) -> list[dict]:
-    """Issue 3: forward_backward over N microbatches equals eager, for each N."""
+    """forward_backward over N microbatches equals eager, for each N."""
     out = []
     for kw in configs:
         torch.manual_seed(0)
@@ -134,8 +131,7 @@ def titan_shared_seq_nr(rank: int, world: int) -> dict:
     all-to-alls must still land in comm stages, and numerics stay exact."""
     from titan_models import TitanTransformer
 
-    from fxoverlap.passes.tag import op_name
-    from fxoverlap.runtime import run_plain
+    from fxoverlap.meta import op_name
 
     torch.manual_seed(0)
     model = TitanTransformer(dist.group.WORLD)

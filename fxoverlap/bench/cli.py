@@ -1,0 +1,125 @@
+"""The benchmark's flags, and what they make: the ``OverlapConfig`` and the ``MoEConfig``.
+
+``python -m fxoverlap.bench --help`` lists every flag; docs/benchmarks.md says how
+to run it on CPU and on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from fxoverlap.config import OverlapConfig
+from fxoverlap.models.moe import MoEConfig
+
+MODES = ("eager", "compile", "backend", "fxoverlap")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m fxoverlap.bench",
+        description="fxoverlap vs eager sequential on the reference MoE model (run under torchrun).",
+    )
+    shape = p.add_argument_group("shape (defaults: MoEConfig.benchmark(), or MoEConfig.tiny() with --tiny)")
+    shape.add_argument("--tiny", action="store_true", help="a few-millisecond shape for CPU smoke tests")
+    shape.add_argument("--layers", type=int)
+    shape.add_argument("--dim", type=int, help="hidden size")
+    shape.add_argument("--heads", type=int)
+    shape.add_argument("--experts", type=int)
+    shape.add_argument("--top-k", type=int)
+    shape.add_argument("--expert-dim", type=int, help="expert FFN hidden size")
+    shape.add_argument("--shared-expert-dim", type=int, help="0: no shared expert")
+    shape.add_argument("--vocab", type=int)
+    shape.add_argument("--seq", type=int, help="sequence length (default 4096; 32 with --tiny)")
+    shape.add_argument("--microbatches", type=int, help="default 8; 3 with --tiny")
+    shape.add_argument("--micro-batch-size", type=int, help="sequences per microbatch (default 1; 2 with --tiny)")
+    shape.add_argument("--routing", choices=("dropless", "capacity", "dedup"),
+                       help="dedup: dropless, each token sent once per destination rank (MoEConfig.token_dedup)")
+    shape.add_argument("--capacity-factor", type=float)
+    run = p.add_argument_group("run")
+    run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    run.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                     help="auto: bf16 on GPU, fp32 on CPU")
+    run.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    run.add_argument("--warmup", type=int, help="warm-up steps per mode (default 3; 1 with --tiny)")
+    run.add_argument("--iters", type=int, help="timed steps per mode (default 8; 3 with --tiny)")
+    run.add_argument("--no-stage-timing", action="store_true",
+                     help="skip the stage-timed runs (T_serial, T_bound), the timeline and the trace")
+    run.add_argument("--stage-reps", type=int, default=3,
+                     help="runs of the stage-timed program for T_serial/T_bound (median per stage)")
+    run.add_argument("--overlap-config", default="",
+                     help="OverlapConfig fields, e.g. comm_stream_priority=0,delay_wgrad=1")
+    run.add_argument("--seed", type=int, default=1234)
+    run.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
+    run.add_argument("--nccl-high-priority", type=int, choices=(0, 1), default=1,
+                     help="run NCCL's internal stream at high priority (ProcessGroupNCCL option); the "
+                          "all-to-all kernels run there, not on fxoverlap's comm stream")
+    run.add_argument("--nccl-max-ctas", type=int, default=None,
+                     help="cap the CTAs (SMs) NCCL kernels may take, leaving more to the GEMMs")
+    run.add_argument("--no-grad-check", action="store_true",
+                     help="skip comparing fxoverlap's gradients with eager's (needs a host copy of the grads)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="bench_out", help="output folder")
+    out.add_argument("--name", default="bench", help="file name stem of the outputs (e.g. a regime tag)")
+    out.add_argument("--no-trace", action="store_true", help="skip the Chrome trace")
+    out.add_argument("--no-timeline", action="store_true", help="skip the timeline PNG")
+    out.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in MODES]:
+        p.error(f"--modes: unknown mode(s) {bad}; choose from {list(MODES)}")
+    args.modes = modes
+    defaults = dict(seq=32, microbatches=3, micro_batch_size=2, warmup=1, iters=3) if args.tiny else dict(
+        seq=4096, microbatches=8, micro_batch_size=1, warmup=3, iters=8)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.iters < 1 or args.warmup < 0 or args.stage_reps < 1:
+        p.error("need --iters >= 1, --warmup >= 0, --stage-reps >= 1")
+    try:
+        args.overlap = parse_overlap_config(args.overlap_config)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def parse_overlap_config(text: str) -> OverlapConfig:
+    """``"comm_stream_priority=0,delay_wgrad=1"`` -> ``OverlapConfig(...)``."""
+    fields = {f.name: f for f in dataclasses.fields(OverlapConfig)}
+    kw: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"--overlap-config: {item!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
+        default = fields[key].default
+        if isinstance(default, bool):
+            kw[key] = val.lower() in ("1", "true", "yes", "on")
+        elif isinstance(default, int):
+            kw[key] = int(val)
+        elif isinstance(default, float):
+            kw[key] = float(val)
+        else:
+            kw[key] = None if val.lower() == "none" else val
+    return OverlapConfig(**kw)
+
+
+def routing_fields(routing: str | None) -> dict:
+    """``MoEConfig`` fields of a routing name; "dedup" is dropless with each token sent once per rank."""
+    if routing == "dedup":
+        return dict(routing="dropless", token_dedup=True)
+    return dict(routing=routing)
+
+
+def model_config(args: argparse.Namespace) -> MoEConfig:
+    over = {
+        "n_layers": args.layers, "dim": args.dim, "n_heads": args.heads, "n_experts": args.experts,
+        "top_k": args.top_k, "expert_dim": args.expert_dim, "shared_expert_dim": args.shared_expert_dim,
+        "vocab_size": args.vocab, "capacity_factor": args.capacity_factor, **routing_fields(args.routing),
+    }
+    over = {k: v for k, v in over.items() if v is not None}
+    cfg = MoEConfig.tiny(**over) if args.tiny else MoEConfig.benchmark(**over)
+    if cfg.max_seq_len < args.seq:
+        cfg = dataclasses.replace(cfg, max_seq_len=args.seq)
+    return cfg
