@@ -9,7 +9,10 @@ forward GraphModule, parameters lifted to graph inputs. The backend
 1. **annotates layers** (:func:`annotate_layers`): the decoder layer of every
    Dynamo node comes from its ``nn_module_stack`` (``L['self'].layers.0.moe...``),
    written into ``node.meta["custom"]`` under the keys the capture pass's hooks
-   write for ``optimize``;
+   write for ``optimize``. Dynamo turns an activation checkpoint into a
+   ``tag_activation_checkpoint`` call of a body graph: its body's nodes are annotated
+   too, and marked as checkpointed, so the recompute pass replays them as it does
+   under ``optimize``;
 2. **captures the joint graph** of the Dynamo graph with the ordinary capture pass
    (``scalar_loss=False``: the graph may return logits or several tensors): a thin
    module (:class:`_GraphStep`) holds the differentiable graph inputs as parameters
@@ -74,8 +77,8 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
 from fxoverlap.config import OverlapConfig
-from fxoverlap.meta import CHILD_KEY, LAYER_KEY
-from fxoverlap.passes.capture import Capture, capture
+from fxoverlap.meta import CHECKPOINT_KEY, CHILD_KEY, LAYER_KEY
+from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
 from fxoverlap.pipeline import build_program, build_stages
 from fxoverlap.runtime import ProgramRunner, RunState
 from fxoverlap.stage import Stage
@@ -128,12 +131,16 @@ _ROOT = re.compile(r"^[A-Za-z_]\w*\[(['\"])[^'\"]*\1\]")  # L['self'], L["model"
 
 
 def module_path(path: str) -> tuple[str, ...]:
-    """``"L['self'].layers[0].attention"`` -> ``("layers", "0", "attention")``."""
+    """``"L['self'].layers[0].attention"`` -> ``("layers", "0", "attention")``; the module a
+    wrapper holds (``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``) takes the
+    wrapper's place: ``layers.0.__dict__['_modules']['_checkpoint_wrapped_module'].moe`` ->
+    ``("layers", "0", "moe")``."""
     path = _ROOT.sub("", path, count=1)
+    path = re.sub(r"\.__dict__\[(['\"])_modules\1\]", "", path)
     path = re.sub(r"\._modules\[(['\"])(.*?)\1\]", r".\2", path)
     path = re.sub(r"\[(['\"])(.*?)\1\]", r".\2", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
-    return tuple(p for p in path.split(".") if p)
+    return tuple(p for p in path.split(".") if p and p not in WRAPPED_MODULE_ATTRS)
 
 
 def _stack_paths(node: torch.fx.Node) -> list[tuple[str, ...]]:
@@ -173,11 +180,72 @@ def _find_container(paths: list[tuple[str, ...]]) -> tuple[str, ...] | None:
     return max(outer, key=lambda c: len(kids[c]))
 
 
+def _layer_and_child(paths: list[tuple[str, ...]], container: tuple[str, ...]) -> tuple[str, str | None] | None:
+    """The decoder layer a node runs in and the layer's child that runs it, from the node's
+    module stack (outermost first). A child reached through a bound method (a layer whose
+    ``forward`` was replaced by ``partial(checkpoint, layer.forward)``: path
+    ``layers.0.forward.args[0].__self__.attention``) is the module after ``__self__``."""
+    k = len(container)
+    for j, p in enumerate(paths):
+        if len(p) <= k or p[:k] != container:
+            continue
+        for q in paths[j:]:
+            if "__self__" in q:
+                at = len(q) - 1 - q[::-1].index("__self__")
+                if at + 1 < len(q):
+                    return p[k], q[at + 1]
+            elif len(q) > k + 1 and q[: k + 1] == p[: k + 1]:
+                return p[k], q[k + 1]
+        return p[k], None
+    return None
+
+
+def _bodies(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.fx.GraphModule]:
+    """The subgraphs a higher-order op node runs (``tag_activation_checkpoint``'s body)."""
+    out = []
+    for a in node.args:
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+            sub = getattr(gm, a.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                out.append(sub)
+    return out
+
+
+def _execution_order(gm: torch.fx.GraphModule, params: set[torch.fx.Node], checkpoint: str | None = None,
+                     seen: set[int] | None = None) -> list[tuple[torch.fx.Node, str | None]]:
+    """The nodes a Dynamo graph runs, each with the checkpoint call it runs in: a
+    higher-order op's body nodes come right before the op node (a
+    ``tag_activation_checkpoint`` body is checkpoint ``<op node name>``). ``params``
+    gains each body placeholder that receives a parameter."""
+    from torch._higher_order_ops.wrap import tag_activation_checkpoint
+
+    seen = set() if seen is None else seen
+    out = []
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        for body in _bodies(gm, n):
+            if id(body) in seen:  # its nodes' annotations would have to name two layers
+                raise _Unsupported(f"node {n.name} ({n.target}) runs a subgraph another call runs too; "
+                                   f"fxoverlap annotates each subgraph with one decoder layer")
+            seen.add(id(body))
+            inner = checkpoint if n.target is not tag_activation_checkpoint else n.name
+            outer_args = [a for a in n.args if not (isinstance(a, torch.fx.Node) and a.op == "get_attr"
+                                                     and isinstance(getattr(gm, a.target, None), torch.fx.GraphModule))]
+            for ph, a in zip(body.graph.find_nodes(op="placeholder"), outer_args):
+                if a in params:
+                    params.add(ph)
+            out += _execution_order(body, params, inner, seen)
+        out.append((n, checkpoint))
+    return out
+
+
 def annotate_layers(
     gm: torch.fx.GraphModule, differentiable: set[str] | None = None, layer_container: str | None = None
 ) -> LayerInfo:
     """Write ``{fxoverlap_layer: i, fxoverlap_child: name}`` into ``node.meta["custom"]``
-    of every Dynamo node that runs inside decoder layer ``i`` (child ``name``).
+    of every Dynamo node that runs inside decoder layer ``i`` (child ``name``), the nodes
+    of checkpoint bodies included (these also get ``fxoverlap_checkpoint``).
 
     The layers are the children of ``layer_container`` (an attribute path such as
     ``"layers"``) or, by default, of the outermost module list seen in the nodes'
@@ -185,7 +253,11 @@ def annotate_layers(
     names the placeholders that are parameters: a dense layer's FFN is its last
     child that reads one (as the capture pass's hooks decide).
     """
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    differentiable = differentiable or set()
+    params = {n for n in gm.graph.find_nodes(op="placeholder") if n.name in differentiable}
+    params |= {n for n in gm.graph.nodes if n.op == "get_attr" and not isinstance(getattr(gm, n.target, None), torch.fx.GraphModule)}
+    flat = _execution_order(gm, params)
+    nodes = [n for n, _ in flat]
     node_paths = {n: _stack_paths(n) for n in nodes}
     if layer_container is not None:
         container = tuple(p for p in layer_container.split(".") if p)
@@ -198,27 +270,25 @@ def annotate_layers(
     child_order: dict[str, list[str]] = {}
     param_children: dict[str, set[str]] = {}
     seq: list[int] = []
-    differentiable = differentiable or set()
-    for n in nodes:
-        best = max((p for p in node_paths[n] if len(p) > k and p[:k] == container), key=len, default=None)
-        if best is None:
+    for n, checkpoint in flat:
+        if checkpoint is not None:  # a body node: the recompute pass may replay it
+            n.meta["custom"] = {**(n.meta.get("custom") or {}), CHECKPOINT_KEY: checkpoint}
+        found = _layer_and_child(node_paths[n], container)
+        if found is None:
             continue
-        layer_name = best[k]
+        layer_name, child = found
         if layer_name not in order:
             order.append(layer_name)
         i = order.index(layer_name)
         seq.append(i)
         meta = dict(n.meta.get("custom") or {})
         meta[LAYER_KEY] = i
-        if len(best) > k + 1:
-            child = best[k + 1]
+        if child is not None:
             meta[CHILD_KEY] = child
             kids = child_order.setdefault(layer_name, [])
             if child not in kids:
                 kids.append(child)
-            if any(p.op == "placeholder" and p.name in differentiable for p in n.all_input_nodes) or any(
-                p.op == "get_attr" for p in n.all_input_nodes
-            ):
+            if any(p in params for p in n.all_input_nodes):
                 param_children.setdefault(layer_name, set()).add(child)
         n.meta["custom"] = meta
     if layer_container is not None and not order:

@@ -4,7 +4,11 @@ Joint-graph nodes (the captured train step) carry, in ``node.meta``:
 
 * ``"custom"``: the annotations made while tracing (``torch.fx.traceback.annotate``):
   :data:`LAYER_KEY` (decoder layer index), :data:`CHILD_KEY` (the layer child
-  that ran the op), :data:`REGION_KEY` (an ``fxoverlap.region`` marker);
+  that ran the op), :data:`REGION_KEY` (an ``fxoverlap.region`` marker),
+  :data:`CHECKPOINT_KEY` (the ``torch.utils.checkpoint`` call the op ran inside);
+* ``"recompute"``: torch's own :class:`torch.utils.checkpoint.CheckpointPolicy` of an op
+  that ran under a selective checkpoint policy (``context_fn``); read only on nodes that
+  carry :data:`CHECKPOINT_KEY` (outside them torch leaves stale values behind);
 * :data:`TAG_KEY`: the node's :class:`~fxoverlap.stage.Tag` (set by ``tag``, refined by
   ``side`` and ``recompute``);
 * :data:`RECOMPUTE_LAYERS_KEY`: on recompute clones, the layers of their group.
@@ -22,6 +26,7 @@ import torch.fx
 LAYER_KEY = "fxoverlap_layer"
 CHILD_KEY = "fxoverlap_child"
 REGION_KEY = "fxoverlap_region"
+CHECKPOINT_KEY = "fxoverlap_checkpoint"
 
 # ---- joint-graph node metadata written by the passes
 TAG_KEY = "fxoverlap_tag"

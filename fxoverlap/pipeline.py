@@ -45,7 +45,7 @@ def build_stages(capture: Capture, config: OverlapConfig, device_type: str, trai
     gm = tag(capture)
     if config.side_stages:
         gm = side(gm)
-    if train and config.mhc_recompute_group is not None:
+    if train:  # activation checkpointing, and mHC with mhc_recompute_group
         gm = recompute(gm, capture.num_layers, config.mhc_recompute_group)
     stages = split(gm, capture.num_layers, delay_wgrad=config.delay_wgrad and train)
     if config.cuda_graphs:

@@ -25,8 +25,11 @@ its mesh and placements, as the traced backward, so eager, produced them) in
 where AOTAutograd returns one node for two entries, or a placeholder as it is (a
 gradient that is the tangent), a clone stands in. Forward nodes of decoder layer
 ``i`` carry the annotation ``{LAYER_KEY: i, CHILD_KEY: child}``
-(``node.meta["custom"]``); backward nodes carry the ``seq_nr`` of the forward op
-they differentiate. Inputs are faked with static
+(``node.meta["custom"]``; the children of a wrapped layer, ``checkpoint_wrapper`` or
+a ``torch.compile``'d module, are those of the module it wraps); ops run inside a
+non-reentrant ``torch.utils.checkpoint`` call also carry ``{CHECKPOINT_KEY: id}``
+(:func:`_mark_checkpoints`), so the recompute pass can replay them; backward nodes
+carry the ``seq_nr`` of the forward op they differentiate. Inputs are faked with static
 shapes under a ``ShapeEnv``, so a data-dependent dispatch (dropless routing) gets an
 unbacked row count and one capture serves every routing outcome. Nothing runs on
 real data and nothing is communicated. A model that cannot be traced raises
@@ -36,7 +39,8 @@ Steps
 -----
 1. Refuse FSDP2-wrapped modules; find the decoder layers (``find_layers``).
 2. Trace the train step (``_TrainStep``: model + loss) under forward hooks that
-   annotate each layer's and child's ops (``_annotate_layers``).
+   annotate each layer's and child's ops (``_annotate_layers``) and with checkpoint
+   calls marked (``_mark_checkpoints``).
 3. Give each handed-out value a node of its own (``_distinct_sink_values``).
 4. Name placeholders and outputs by role from AOTAutograd's descriptors and the
    subclass layouts of the gradients (``_roles``, ``_grad_layouts``).
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -56,7 +61,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from fxoverlap.meta import CHILD_KEY, LAYER_KEY
+from fxoverlap.meta import CHECKPOINT_KEY, CHILD_KEY, LAYER_KEY
 
 
 class CaptureError(RuntimeError):
@@ -234,6 +239,73 @@ class _Forward(nn.Module):
         return out
 
 
+# Attributes through which a module wrapper holds the module it wraps: activation
+# checkpointing's checkpoint_wrapper, torch.compile's OptimizedModule, FSDP1.
+WRAPPED_MODULE_ATTRS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module a wrapper (``checkpoint_wrapper``, ``torch.compile``) holds, else ``module``."""
+    while True:
+        inner = next((m for a in WRAPPED_MODULE_ATTRS if isinstance(m := getattr(module, a, None), nn.Module)), None)
+        if inner is None:
+            return module
+        module = inner
+
+
+# Keys torch's selective checkpointing writes into the tracing context (and leaves there).
+_TORCH_CHECKPOINT_KEYS = frozenset({"recompute", "ac_graph_id"})
+
+
+@contextlib.contextmanager
+def _mark_checkpoints():
+    """Annotate the ops of every non-reentrant ``torch.utils.checkpoint`` call with
+    ``{CHECKPOINT_KEY: "checkpoint<n>"}`` while the capture traces.
+
+    Why: under AOTAutograd's joint tracing a checkpoint leaves no mark of its own. Its
+    saved-tensor hooks are never called, so the joint graph is node for node the
+    un-checkpointed one. A selective policy (``context_fn``) writes each op's
+    ``CheckpointPolicy`` into ``node.meta["recompute"]``, but it also leaves that key in
+    the tracing context, so every later op, the backward's included, carries it, and
+    ``ac_graph_id`` is None. So the capture wraps the checkpoint's generator
+    (``_checkpoint_without_reentrant_generator``): ``checkpoint`` looks it up at each
+    call, and so do ``checkpoint_wrapper`` and torch.compile's
+    ``tag_activation_checkpoint``. The forward then runs under the annotation, and the
+    keys torch left in the context are dropped when the checkpoint ends. A torch without
+    that function leaves checkpointed regions unmarked: they are saved as without AC.
+    """
+    import torch.utils.checkpoint as torch_checkpoint
+
+    original = getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if original is None:
+        yield
+        return
+    ids = itertools.count()
+
+    def marked(*args, **kwargs):
+        inner = original(*args, **kwargs)
+        next(inner)  # the checkpoint's hooks and forward context are entered
+        had = _TORCH_CHECKPOINT_KEYS & fx_traceback.get_current_meta().keys()
+        try:
+            with fx_traceback.annotate({CHECKPOINT_KEY: f"checkpoint{next(ids)}"}):
+                try:
+                    yield  # the checkpointed function runs
+                except BaseException as e:
+                    inner.throw(e)  # the checkpoint's own clean-up; it re-raises
+                    raise
+        finally:
+            meta = fx_traceback.get_current_meta()
+            for k in _TORCH_CHECKPOINT_KEYS - had:
+                meta.pop(k, None)
+        next(inner, None)  # the checkpoint's post-forward step
+
+    torch_checkpoint._checkpoint_without_reentrant_generator = marked
+    try:
+        yield
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator = original
+
+
 @contextlib.contextmanager
 def _annotate_layers(layers: list[nn.Module], param_children: dict[int, set[str]]):
     """Annotate each layer's ops with its index, and each child's ops with its name."""
@@ -250,7 +322,7 @@ def _annotate_layers(layers: list[nn.Module], param_children: dict[int, set[str]
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: enter({LAYER_KEY: i})))
         handles.append(layer.register_forward_hook(leave))
-        for name, child in layer.named_children():
+        for name, child in unwrap(layer).named_children():
             def pre(m, a, i=i, name=name, has_params=any(True for _ in child.parameters())):
                 if has_params:
                     param_children.setdefault(i, set()).add(name)
@@ -318,13 +390,20 @@ def capture(
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()
     try:
-        with fx_traceback.preserve_node_meta(), _annotate_layers(layers, param_children), contextlib.ExitStack() as stack, grad_mode:
+        with (fx_traceback.preserve_node_meta(), _annotate_layers(layers, param_children), _mark_checkpoints(),
+              contextlib.ExitStack() as stack, grad_mode):
             joint = aot_export_joint_with_descriptors(stack, step, fake_inputs)
     except CaptureError:
         raise
     except Exception as e:
         from fxoverlap.expert_parallel import explain_capture_error
 
+        if "use_reentrant=True" in str(e):
+            raise CaptureError(
+                "capture: the model calls torch.utils.checkpoint with use_reentrant=True, which cannot be "
+                "traced into one joint graph; pass use_reentrant=False (checkpoint_wrapper's default), "
+                "which fxoverlap replays in the backward"
+            ) from e
         hint = explain_capture_error(model, e)
         if hint is None:
             raise

@@ -1,111 +1,189 @@
-"""recompute: replay each layer group's hyper-connection (mHC) forward in the backward
-instead of saving its activations.
+"""recompute: replay recompute regions in the backward instead of saving their activations.
 
-mHC widens the residual stream to n copies, and its per-token maps (RMSNorm of
-the flattened stream, sigmoids, 20 Sinkhorn iterations) leave many n-times-wide
-activations for the backward.
+A *recompute region* is forward code of the decoder layers whose values the backward
+should recompute rather than keep. Two sources, one mechanism:
+
+* **activation checkpointing** (always on): the ops a non-reentrant
+  ``torch.utils.checkpoint`` call ran (``checkpoint(block, x, use_reentrant=False)``,
+  ``checkpoint_wrapper``, torchtitan's ``apply_ac``), marked by the capture
+  (:data:`~fxoverlap.meta.CHECKPOINT_KEY`). Under a selective policy
+  (``context_fn=create_selective_checkpoint_contexts(...)``) an op whose
+  ``CheckpointPolicy`` is ``MUST_SAVE`` / ``PREFER_SAVE`` stays saved;
+* **hyper-connections** (``OverlapConfig.mhc_recompute_group``): code marked
+  ``fxoverlap.region("mhc")``. mHC widens the residual stream to n copies, and its
+  per-token maps leave many n-times-wide activations for the backward.
+
+Never replayed, whatever the region says, so saved: communication (nodes of a
+layer's dispatch / combine stages: a replayed all-to-all would be a second
+collective every peer must join, costing the exchange again), host syncs (a replay
+would stall the host again), random ops (a replay draws new numbers; a dropout
+probability of 0 is not random) and in-place ops. The compute around them is
+replayed from their saved outputs.
 
 Contract
 --------
-Assumes: ``tag`` ran; the model marks its hyper-connection code
-``fxoverlap.region("mhc")`` (``REGION_KEY`` in ``node.meta["custom"]``) inside its
-decoder layers. Runs between ``tag`` and ``split``, on the tagged joint graph
-(cloning before ``split`` lets it give the recompute stage explicit inputs and
-outputs like any other stage).
+Assumes: the tagged joint graph (``tag``, optionally ``side``); forward nodes carry
+the capture's annotations.
 
-Guarantees: for every backward node of a layer in group ``g`` (``group_size``
-consecutive layers) that reads an mHC value of its own group, that value's mHC
-computation is cloned into the backward, tagged ``Tag(bwd, top layer of g,
-recompute)`` (with ``RECOMPUTE_LAYERS_KEY``: the group's layers), and the reader
-reads the clone. Clone inputs are what the group does not recompute: non-mHC
-forward values, parameters, and mHC values of other groups (the stream entering
-the group, which stays saved). Backward readers outside the group's layers keep
-reading the saved original, so the recompute stage always runs before its readers:
-the schedule places it right before the group's first backward stage, on the
-compute stream. The originals then die in the forward and the free pass drops them
-there. Recomputed values are bitwise the saved ones: the same ops on the same
-inputs. No mHC node, or nothing to recompute, raises :class:`RecomputeError`.
+Guarantees: layers are partitioned into *groups* of consecutive layers (one per layer;
+``mhc_group`` consecutive layers with mHC recompute; a checkpoint call that spans
+several layers joins them). For every backward node of a layer in group ``g`` that
+reads a replayable region value of group ``g``, that value's computation is cloned
+into a recompute stage ``Tag(bwd, top layer of g, recompute)`` (``meta[RECOMPUTE_LAYERS_KEY]``
+= the group's layers) and the reader reads the clone. Clone inputs are what the group
+does not replay: values outside the regions, parameters, saved nodes, and values of
+other groups (a group's input, e.g. the layer input a checkpoint keeps, stays saved).
+Backward readers outside the group (the next layer's, the head's) keep reading the
+saved original. The schedule places the recompute stage right before the first stage
+that reads it, on the compute stream. The originals then die in the forward
+and the free pass drops them there. Recomputed values are bitwise the saved ones: the
+same ops on the same inputs. A graph with no region comes back unchanged.
 
 Steps
 -----
-1. Find the forward mHC nodes of decoder layers (``_is_mhc``).
-2. For each backward node reading an mHC value of its own group, clone that value
-   (inputs first, once per group) before the first backward node and rewire the read.
+1. Replayable region nodes (``_replayable``), each with its layer.
+2. Groups: union of the mHC blocks and of the layers each checkpoint call spans.
+3. Clone, per group, what the group's backward reads, inputs first.
 
-Entry point: ``recompute(gm, num_layers, group_size) -> GraphModule``.
+Runs between ``tag`` and ``split`` (cloning before it lets ``split`` give the
+recompute stage explicit inputs and outputs like any other stage).
+
+Entry point: ``recompute(gm, num_layers, mhc_group=None) -> GraphModule``.
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
-from fxoverlap.meta import RECOMPUTE_LAYERS_KEY, REGION_KEY, TAG_KEY, custom, op_name
-from fxoverlap.stage import Direction, StageKind, Tag
+from fxoverlap.meta import CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, TAG_KEY, custom, is_host_sync, op_name
+from fxoverlap.stage import COMM_KINDS, Direction, StageKind, Tag
 
 
 class RecomputeError(RuntimeError):
     """Recompute was asked for but cannot be applied; the message says why."""
 
 
-def _is_mhc(node: torch.fx.Node, num_layers: int) -> bool:
-    t = node.meta.get(TAG_KEY)
-    return (
-        t is not None and t.direction is Direction.FWD and 0 <= t.layer < num_layers
-        and custom(node).get(REGION_KEY) == "mhc"
-    )
+def _saved_by_policy(node: torch.fx.Node) -> bool:
+    """A selective checkpoint policy said MUST_SAVE / PREFER_SAVE for this op."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return node.meta.get("recompute") in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
-def recompute(gm: torch.fx.GraphModule, num_layers: int, group_size: int) -> torch.fx.GraphModule:
-    if group_size < 1:
-        raise RecomputeError(f"recompute: group size must be >= 1, got {group_size}")
+def _draws_random_numbers(node: torch.fx.Node) -> bool:
+    """A seeded op, unless its dropout probability is 0 (attention kernels without dropout)."""
+    target = node.target
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            return value != 0
+    return True
+
+
+def _never_replayed(node: torch.fx.Node) -> bool:
+    """Communication, host syncs, random and in-place ops: saved, whatever the region."""
+    if node.op != "call_function" or node.meta[TAG_KEY].kind in COMM_KINDS or is_host_sync(node):
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable or _draws_random_numbers(node)
+    return False
+
+
+def _replayable(gm: torch.fx.GraphModule, num_layers: int, mhc: bool) -> dict[torch.fx.Node, int]:
+    """Step 1: forward nodes of the decoder layers to replay, each with its layer."""
+    out = {}
+    for n in gm.graph.nodes:
+        t = n.meta.get(TAG_KEY)
+        if t is None or t.direction is not Direction.FWD or not 0 <= t.layer < num_layers:
+            continue
+        marks = custom(n)
+        checkpointed = CHECKPOINT_KEY in marks and not _saved_by_policy(n)
+        if (checkpointed or (mhc and marks.get(REGION_KEY) == "mhc")) and not _never_replayed(n):
+            # an element of a saved multi-output op is saved with it (no tuple crosses stages)
+            if n.target is not operator.getitem or n.args[0] in out:
+                out[n] = t.layer
+    return out
+
+
+def _groups(region: dict[torch.fx.Node, int], num_layers: int, mhc_group: int | None) -> list[int]:
+    """Step 2: the group of each layer (groups are runs of consecutive layers, numbered in order)."""
+    joined = [False] * num_layers  # joined[l]: layer l is in the group of layer l - 1
+    if mhc_group is not None:
+        for layer in range(num_layers):
+            joined[layer] = layer % mhc_group != 0
+    spans: dict[object, list[int]] = {}
+    for n, layer in region.items():
+        if (call := custom(n).get(CHECKPOINT_KEY)) is not None:
+            lo_hi = spans.setdefault(call, [layer, layer])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], layer), max(lo_hi[1], layer)
+    for lo, hi in spans.values():
+        for layer in range(lo + 1, hi + 1):
+            joined[layer] = True
+    group, out = -1, []
+    for layer in range(num_layers):
+        group += 0 if joined[layer] else 1
+        out.append(group)
+    return out
+
+
+def recompute(gm: torch.fx.GraphModule, num_layers: int, mhc_group: int | None = None) -> torch.fx.GraphModule:
+    if mhc_group is not None and mhc_group < 1:
+        raise RecomputeError(f"recompute: group size must be >= 1, got {mhc_group}")
     graph = gm.graph
-    mhc = {n for n in graph.nodes if _is_mhc(n, num_layers)}
-    if not mhc:
+    region = _replayable(gm, num_layers, mhc=mhc_group is not None)
+    if mhc_group is not None and not any(custom(n).get(REGION_KEY) == "mhc" for n in region):
         raise RecomputeError(
-            f"recompute: OverlapConfig.mhc_recompute_group={group_size} but no decoder-layer node is "
+            f"recompute: OverlapConfig.mhc_recompute_group={mhc_group} but no decoder-layer node is "
             f"marked fxoverlap.region('mhc'); mark the model's hyper-connection code with it, or leave "
             f"mhc_recompute_group unset"
         )
-    group_of = lambda layer: layer // group_size  # noqa: E731
-    layers_of = lambda g: tuple(range(g * group_size, min((g + 1) * group_size, num_layers)))  # noqa: E731
     bwd = [n for n in graph.nodes if (t := n.meta.get(TAG_KEY)) is not None and t.direction is Direction.BWD]
-    if not bwd:
+    if not region or not bwd:
         return gm
+    group_of = _groups(region, num_layers, mhc_group)
+    layers_of: dict[int, tuple[int, ...]] = {}
+    for layer, g in enumerate(group_of):
+        layers_of[g] = layers_of.get(g, ()) + (layer,)
+
     clones: dict[tuple[int, torch.fx.Node], torch.fx.Node] = {}
+
+    def replayed_in(g: int, p: torch.fx.Node) -> bool:
+        return p in region and group_of[region[p]] == g
 
     def clone(g: int, node: torch.fx.Node) -> torch.fx.Node:
         key = (g, node)
         if key in clones:
             return clones[key]
         for p in node.all_input_nodes:  # inputs first: keeps the graph topological
-            if p in mhc and group_of(p.meta[TAG_KEY].layer) == g:
+            if replayed_in(g, p):
                 clone(g, p)
-
-        def arg(p: torch.fx.Node) -> torch.fx.Node:
-            return clones.get((g, p), p)
-
         with graph.inserting_before(bwd[0]):
-            c = graph.node_copy(node, arg)
+            c = graph.node_copy(node, lambda p: clones.get((g, p), p))
         c.meta = dict(node.meta)
         c.meta["partitioner_tag"] = "is_backward"
-        c.meta[TAG_KEY] = Tag(Direction.BWD, layers_of(g)[-1], StageKind.RECOMPUTE)
-        c.meta[RECOMPUTE_LAYERS_KEY] = layers_of(g)
+        c.meta[TAG_KEY] = Tag(Direction.BWD, layers_of[g][-1], StageKind.RECOMPUTE)
+        c.meta[RECOMPUTE_LAYERS_KEY] = layers_of[g]
         clones[key] = c
         return c
 
     for b in bwd:
         layer = b.meta[TAG_KEY].layer
         if not 0 <= layer < num_layers:
-            continue
-        g = group_of(layer)
+            continue  # embed / head backward: reads the saved originals
+        g = group_of[layer]
         for p in list(b.all_input_nodes):
-            if p in mhc and group_of(p.meta[TAG_KEY].layer) == g:
+            if replayed_in(g, p):
                 b.replace_input_with(p, clone(g, p))
-    if not clones:
+    if mhc_group is not None and not any(custom(n).get(REGION_KEY) == "mhc" for _, n in clones):
+        first = next(n for n in region if custom(n).get(REGION_KEY) == "mhc")
         raise RecomputeError(
             "recompute: no backward node reads an mHC activation of its own layer group; nothing to "
-            f"recompute (first mHC node: {next(iter(mhc)).name} ({op_name(next(iter(mhc)))}))"
+            f"recompute (first mHC node: {first.name} ({op_name(first)}))"
         )
     graph.lint()
     gm.recompile()

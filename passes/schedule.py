@@ -32,7 +32,8 @@ wgrad joins the next pair's slot 1 (the last pair's runs before B embed).
 
 B head opens the merged step; F post of the last layer, F head and B embed close
 it. A dense layer's ``mlp`` takes the experts slot and has no comm slots. A
-recompute stage runs right before the first backward stage of its group.
+recompute stage runs right before the first stage that reads its outputs, in
+program order.
 
 The drain B(N-1) (with N = 1, the whole backward) has no forward to pair with,
 so it overlaps its comm stages with its own weight-grads: stages run in plain
@@ -91,7 +92,8 @@ class _Emitter:
         self.root = nn.Module()
         self.graph = torch.fx.Graph()
         self.emitted: set[tuple[str, int]] = set()
-        self.recompute_before: dict[tuple[str, int], list[Stage]] = {}
+        # stage name -> the recompute stages whose outputs it reads
+        self.recompute_for: dict[str, list[Stage]] = {}
         # (merged step, layer pair, slot) of the stages emitted now; None outside slots
         self.slot: tuple[int, int, int] | None = None
 
@@ -103,7 +105,7 @@ class _Emitter:
 
     def emit(self, stages: list[Stage], mb: int) -> None:
         for s in stages:
-            for r in self.recompute_before.pop((s.name, mb), []):
+            for r in self.recompute_for.get(s.name, ()):  # a no-op once r ran for mb
                 self._emit_one(r, mb)
             self._emit_one(s, mb)
 
@@ -202,11 +204,13 @@ def schedule(
         raise ValueError("schedule: need at least one microbatch")
     num_layers = capture.num_layers
     e = _Emitter(stages, capture)
-    for s in stages:
-        if s.kind is K.RECOMPUTE:
-            first = _first_backward_of_group(stages, s)
-            for mb in range(num_microbatches):
-                e.recompute_before.setdefault((first.name, mb), []).append(s)
+    for r in stages:
+        if r.kind is K.RECOMPUTE:
+            readers = [s for s in stages if set(r.outputs) & set(s.inputs)]
+            if not readers:
+                raise AssertionError(f"schedule: no stage reads the outputs of recompute stage {r.name}")
+            for s in readers:
+                e.recompute_for.setdefault(s.name, []).append(r)
     e.forward(0, num_layers)
     if not forward_only:
         for i in range(1, num_microbatches):
@@ -223,14 +227,3 @@ def schedule(
     gm = torch.fx.GraphModule(e.root, e.graph, class_name="Program")
     gm.meta = {"num_microbatches": num_microbatches, "num_layers": num_layers}
     return gm
-
-
-def _first_backward_of_group(stages: list[Stage], rec: Stage) -> Stage:
-    """A recompute stage takes the top layer of its group (the first the backward reaches)."""
-    bwd = [
-        s for s in stages
-        if s.direction is Direction.BWD and s.layer in rec.recompute_layers and s.kind is not StageKind.RECOMPUTE
-    ]
-    if not bwd:
-        raise AssertionError(f"schedule: recompute stage {rec.name} has no backward stage to precede")
-    return bwd[0]  # stages are in plain order, so the first backward stage of the group

@@ -18,6 +18,12 @@
   raises. Gradients against the other backend (same layout: bitwise expected) and eager
   (the numerics tolerance). Any number of ranks on one host, one included
   (``--checks symm_mem``).
+* ac: full activation checkpointing (``MoEConfig.activation_checkpoint``) at the peer's
+  shape in bf16, 4 microbatches: fxoverlap's peak ``max_memory_allocated`` against eager
+  with the same AC (target <= 1.10), both against no AC, what the program keeps that
+  eager does not (the all-to-all outputs, per microbatch), and each side's step time with
+  and without AC (the cost of the replay). Any number of ranks; one GPU is enough:
+  ``torchrun --nproc-per-node 1 scripts/gpu_checks.py --checks ac``.
 * symm_mem_smoke: the symm_mem transport op by op against ``padded`` (dispatch, combine,
   their backward calls, token-once, more calls than there are buffers); one rank is
   enough: ``torchrun --nproc-per-node 1 scripts/gpu_checks.py --checks symm_mem_smoke``.
@@ -27,10 +33,12 @@ Prints one ``CHECK {...}`` JSON line per result on rank 0; ``--out`` writes them
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -332,6 +340,68 @@ def check_recompute(device, emit):
                   ok=peaks[group] < peaks[None]))
 
 
+def _step_time(fn, iters: int = 3) -> float:
+    """Seconds per call of ``fn`` after one warm-up call (captures, allocator, Inductor)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def check_ac(device, emit):
+    base_cfg = MoEConfig.benchmark()
+    n, mbs, seq = 4, 1, 4096
+    rows = {}
+    for ac in (False, True):
+        cfg = dataclasses.replace(base_cfg, activation_checkpoint=ac)
+        model = _model(cfg, device, torch.bfloat16)
+        batches = _batches(cfg, n, mbs, seq, device)
+        engine = fxoverlap.optimize(model, dist.group.WORLD)
+
+        def eager_step():
+            losses = []
+            for b in batches:
+                loss = model(*b)
+                loss.backward()
+                losses.append(loss.detach().float())
+            return losses
+
+        def fx_step():
+            return [x.float() for x in engine.forward_backward(batches)]
+
+        times = {}
+        for name, step in (("eager", eager_step), ("fx", fx_step)):
+            times[name] = _step_time(step)
+            model.zero_grad(set_to_none=True)
+        peak_e, base = _peak(eager_step)
+        model.zero_grad(set_to_none=True)
+        peak_f, _ = _peak(fx_step)
+        model.zero_grad(set_to_none=True)
+        loss_rel = max(float((a - b).abs() / b.abs()) for a, b in zip(fx_step(), eager_step()))
+        model.zero_grad(set_to_none=True)
+        # what fxoverlap keeps and eager (which communicates again in its replay) does not:
+        # each MoE layer's dispatch and combine outputs, tokens x top_k rows of dim each
+        rows_routed = mbs * seq * cfg.top_k * dist.get_world_size()  # dropless: on average per rank
+        alltoall = sum(p == "moe" for p in cfg.pattern) * 2 * rows_routed * cfg.dim * 2 // dist.get_world_size()
+        rows[ac] = dict(eager_GiB=peak_e / 2**30, fx_GiB=peak_f / 2**30, base_GiB=base / 2**30,
+                        eager_ms=1e3 * times["eager"], fx_ms=1e3 * times["fx"], loss_rel_diff=loss_rel,
+                        recompute_stages=sum(s.kind.value == "recompute" for s in engine.stages),
+                        alltoall_outputs_GiB_per_microbatch=alltoall / 2**30)
+        engine.close()
+        del engine, model
+        torch.cuda.empty_cache()
+    off, on = rows[False], rows[True]
+    emit(dict(check="activation_checkpointing", shape="peer", microbatches=n, micro_batch_size=mbs, seq=seq,
+              ranks=dist.get_world_size(), off=off, on=on,
+              ratio_fx_vs_eager_with_ac=on["fx_GiB"] / on["eager_GiB"],
+              eager_ac_saving_GiB=off["eager_GiB"] - on["eager_GiB"], fx_ac_saving_GiB=off["fx_GiB"] - on["fx_GiB"],
+              eager_replay_cost=on["eager_ms"] / off["eager_ms"], fx_replay_cost=on["fx_ms"] / off["fx_ms"],
+              ok=on["fx_GiB"] <= 1.10 * on["eager_GiB"] and on["recompute_stages"] > 0 and on["loss_rel_diff"] < 2**-6))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--checks", default="numerics,memory,recompute")
@@ -355,7 +425,7 @@ def main() -> None:
             check_numerics(device, emit, small=args.small, routings=args.routings.split(","))
         else:
             checks = {"memory": check_memory, "recompute": check_recompute, "csan": check_csan, "row_sum": check_row_sum,
-                      "symm_mem": check_symm_mem, "symm_mem_smoke": check_symm_mem_smoke}
+                      "symm_mem": check_symm_mem, "symm_mem_smoke": check_symm_mem_smoke, "ac": check_ac}
             checks[name](device, emit)
     if args.out and dist.get_rank() == 0:
         with open(args.out, "a") as f:

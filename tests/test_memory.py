@@ -43,15 +43,16 @@ def _capture_of(engine, mbs):
     return engine.plan(mbs).capture
 
 
-def stage_bytes(stages, capture, model, mbs) -> tuple[int, int, str]:
+def stage_bytes(stages, capture, model, mbs, only: set[str] | None = None) -> tuple[int, int, str]:
     """Run each microbatch's stages in plain order; return (max over microbatches of
-    the bytes of its saved activations — forward-stage outputs a backward stage reads —,
-    max over stages and microbatches of inputs + outputs bytes, that stage's name)."""
+    the bytes of its saved activations — forward-stage outputs a backward stage reads,
+    those in ``only`` if given —, max over stages and microbatches of inputs + outputs
+    bytes, that stage's name)."""
     static = static_values(capture, model)
     keys = static_storage_keys(static)
     fwd_out = {v for s in stages if s.direction is Direction.FWD for v in s.outputs}
     bwd_in = {v for s in stages if s.direction is Direction.BWD for v in s.inputs}
-    saved_names = fwd_out & bwd_in
+    saved_names = fwd_out & bwd_in & (only if only is not None else fwd_out)
     saved_max, work_max, work_stage = 0, 0, ""
     with torch.no_grad():
         for mb in mbs:

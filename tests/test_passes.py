@@ -165,15 +165,15 @@ def test_schedule_dense_layer_takes_the_experts_slot():
     assert not any(name.startswith(("F1_l0_d", "F1_l0_c", "B0_l0_d", "B0_l0_c")) for name in slot)
 
 
-def test_schedule_recompute_right_before_its_group():
+def test_schedule_recompute_right_before_its_first_reader():
     stages, cap = model_stages("mmm", recompute_group=2)
     assert [s.recompute_layers for s in stages if s.kind is K.RECOMPUTE] == [(2,), (0, 1)]
     names = _names(schedule(stages, cap, 3))
     for mb in range(3):
-        for top in (2, 1):  # the group's top layer is the first its backward reaches
+        for top in (2, 1):  # read by each layer's backward attn: the group's top layer's comes first
             i = names.index(f"B{mb}_l{top}_recompute")
-            assert names[i + 1] == f"B{mb}_l{top}_post"
-            assert all(not n.startswith(f"B{mb}_l{top}") for n in names[:i])
+            assert names[i + 1] == f"B{mb}_l{top}_attn"
+            assert all(not n.startswith(f"B{mb}_l{top}_attn") for n in names[:i])
 
 
 def test_schedule_forward_only():

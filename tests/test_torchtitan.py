@@ -46,11 +46,12 @@ def test_one_rank(family):
 
 
 def test_one_rank_activation_checkpointing():
-    """torchtitan's FullAC wrappers are traced through: the same numerics, no recompute in the
-    program (memory as without AC), and each token counted once, where eager's recompute counts
-    it twice (torchtitan's MoE notes this; its bias update only reads the sign)."""
+    """torchtitan's FullAC: each checkpointed layer is replayed by a recompute stage, the numerics
+    are eager's, and each token is counted once, where eager's replay counts it twice
+    (torchtitan's MoE notes this; its bias update only reads the sign)."""
     r = titan_real.train_vs_eager("qwen3_moe", ep=1, n=N, wrap=titan_real.full_activation_checkpointing)
     assert r["losses_equal"] == [True] * N and all(v is True for v in r["grads"].values()), r
+    assert [name for name, kind, _ in r["stages"] if kind == "recompute"] == ["bwd_l1_recompute", "bwd_l0_recompute"]
     wrapped = [f"layers.{i}._checkpoint_wrapped_module.moe.tokens_per_expert_E" for i in MOE_LAYERS["qwen3_moe"]]
     assert r["counted"] == {k: float(N * 32 * TOP_K) for k in wrapped}, r["counted"]
     assert r["eager_counted"] == {k: 2.0 * N * 32 * TOP_K for k in wrapped}, r["eager_counted"]

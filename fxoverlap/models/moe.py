@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from fxoverlap import ops
 from fxoverlap.models.mhc import HyperConnection, contract_streams, expand_streams
@@ -56,6 +57,10 @@ class MoEConfig:
     # A multi-token-prediction module of depth 1; its loss is added with this weight.
     mtp: bool = False
     mtp_loss_weight: float = 0.3
+    # Full activation checkpointing: each decoder layer runs under
+    # torch.utils.checkpoint.checkpoint(..., use_reentrant=False), so eager keeps only its
+    # input and replays it in the backward (fxoverlap replays it too, never its all-to-alls).
+    activation_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.mhc_rate is not None and self.mhc_rate < 1:
@@ -271,9 +276,15 @@ class Block(nn.Module):
         if mhc_rate is not None:
             self.attention_hc = HyperConnection(mhc_rate, cfg.dim, cfg.norm_eps)
             self.ffn_hc = HyperConnection(mhc_rate, cfg.dim, cfg.norm_eps)
+        self.activation_checkpoint = cfg.activation_checkpoint
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[B, S, D]``, or ``[B, S, n, D]`` with mHC."""
+        if self.activation_checkpoint:
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         if not hasattr(self, "attention_hc"):
             h = x + self.attention(self.attention_norm(x))
@@ -296,7 +307,8 @@ class MTP(nn.Module):
         self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.block = Block(cfg, "dense", None, None)
+        # part of the head, not a decoder layer: activation_checkpoint is about the layers
+        self.block = Block(dataclasses.replace(cfg, activation_checkpoint=False), "dense", None, None)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, h: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
