@@ -91,9 +91,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxoverlap.meta import STEP_KEY
-from fxoverlap.program_ops import stage_calls
+from fxoverlap.program_ops import stage_calls, steps
 from fxoverlap.runtime import storage_key
 from fxoverlap.stage import Stage
 
@@ -139,20 +140,45 @@ class CudaBackend:
     def synchronize(self, device) -> None:
         torch.cuda.synchronize(device)
 
+    def settle(self, device) -> None:
+        """Wait for the device; then an allocation outside any capture makes the caching
+        allocator release the blocks whose cross-stream uses are now done (it does that
+        only when no capture is under way), so the next capture may reuse them."""
+        torch.cuda.synchronize(device)
+        torch.empty(1, device=device)
+
     def pool_handle(self):
         return torch.cuda.graph_pool_handle()
 
-    def capture(self, fn, pool):
-        """Capture ``fn()`` into a new graph; returns ``(graph, fn's outputs)``."""
+    def capture(self, alloc, fn, pool):
+        """Capture ``fn(alloc())`` into a new graph; returns ``(graph, alloc's buffers, fn's outputs)``.
+
+        ``alloc`` runs inside the capture but launches no kernel: its buffers (the
+        graph's static inputs) come from the graph's pool, like its outputs."""
         graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog thread may query events of collectives
         # issued before this capture; that must not invalidate it.
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            outs = fn()
-        return graph, outs
+            bufs = alloc()
+            outs = fn(bufs)
+        return graph, bufs, outs
+
+    def alias(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor over ``t``'s memory that does not keep that memory allocated (as
+        Inductor's CUDA-graph trees hand out their outputs)."""
+        s = t.untyped_storage()
+        storage = torch._C._construct_storage_from_data_pointer(s.data_ptr(), t.device, s.nbytes())
+        meta = {"size": t.shape, "stride": t.stride(), "storage_offset": t.storage_offset(), "dtype": t.dtype,
+                "device": t.device, "data_ptr": s.data_ptr(), "nbytes": s.nbytes()}
+        return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storage)
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+
+def _same_memory(a, s) -> bool:
+    return (isinstance(a, torch.Tensor) and a.data_ptr() == s.data_ptr() and a.shape == s.shape
+            and a.stride() == s.stride() and a.dtype == s.dtype)
 
 
 class _Graph:
@@ -174,9 +200,9 @@ class _Graph:
                     continue  # the static buffer itself, as another view
                 s.copy_(a)
             elif kind == _SHARED:
-                if a is not s:
+                if a is not s and not _same_memory(a, s):
                     raise AssertionError(self._bad(
-                        i, a, s, "was the static output of another graph at capture but is not that tensor now"))
+                        i, a, s, "was the static output of another graph at capture but is not that memory now"))
             elif kind == _STATIC:
                 if a.data_ptr() != s.data_ptr() or a.shape != s.shape or a.stride() != s.stride():
                     raise RuntimeError(self._bad(
@@ -202,7 +228,9 @@ class StageGraphs:
         self.copies = in_flight_depth(program)
         self._graphs: dict[tuple[str, int], _Graph] = {}
         self.eager: dict[str, str] = {}  # stage name -> why it runs eagerly after all (capture-time)
-        self._out_ids: dict[int, int] = {}  # id of a static output -> its copy
+        # a graph's output (the tensor its capture made, while it lives, and the alias
+        # every replay hands out) -> (its copy, the alias)
+        self._outs = WeakIdKeyDictionary()
         self._owned: dict[tuple, tuple[int, object]] = {}  # storage -> (copy, stream of its graph)
         self._pending: dict[int, list] = {}  # copy -> events of cross-stream readers not yet waited on
         self._pools: dict[int, object] = {}
@@ -213,12 +241,24 @@ class StageGraphs:
 
     # ---------------------------------------------------------------- planning
     def _plan_pools(self, program: torch.fx.GraphModule, stages: Sequence[Stage]) -> dict[int, bool]:
+        """Per copy: may its graphs share one pool? Yes when every microbatch of the copy
+        does, in the same order, what the one that captures them did with graph memory:
+        the same graphed calls and the same reads of graphed stages' outputs (the last
+        read is where a value dies, so its memory is reused from the same point on), and
+        all graphed calls are on one stream."""
         by_name = {s.name: s for s in stages}
-        graphed = [step for _, step in stage_calls(program) if by_name[step.stage].graphed]
-        seqs: dict[int, list[str]] = {}
-        for step in graphed:
-            seqs.setdefault(step.microbatch, []).append(step.stage)
-        one_stream = len({step.stream for step in graphed}) <= 1
+        graphed = {s.name for s in stages if s.graphed}
+        graph_values = {v for s in stages if s.graphed for v in s.outputs}
+        seqs: dict[int, list[tuple]] = {}
+        streams = set()
+        for node, step in steps(program):
+            if step.stage in graphed:
+                streams.add(step.stream)
+                seqs.setdefault(step.microbatch, []).append(("call", step.stage))
+            elif reads := tuple(v for v in step.reads if v in graph_values):
+                what = step.stage if step.stage in by_name else getattr(node.target, "__name__", str(node.target))
+                seqs.setdefault(step.microbatch, []).append((what, reads))
+        one_stream = len(streams) <= 1
         shared = {}
         for c in range(self.copies):
             mbs = sorted(mb for mb in seqs if mb % self.copies == c)
@@ -226,8 +266,8 @@ class StageGraphs:
             shared[c] = one_stream and same
             if mbs and not shared[c]:
                 why = "graphed stages run on more than one stream" if not one_stream else (
-                    f"microbatch {next(mb for mb in mbs if seqs[mb] != seqs[mbs[0]])} replays the graphs "
-                    f"in another order than microbatch {mbs[0]}, which captures them")
+                    f"microbatch {next(mb for mb in mbs if seqs[mb] != seqs[mbs[0]])} uses graph memory "
+                    f"in another order than microbatch {mbs[0]}, which captures the graphs")
                 log.info("fxoverlap cudagraph: copy %d uses one memory pool per graph: %s", c, why)
         return shared
 
@@ -246,11 +286,10 @@ class StageGraphs:
         copy = node.meta[STEP_KEY].microbatch % self.copies
         g = self._graphs.get((stage.name, copy))
         if g is None:
-            if stage.name not in self.eager:
-                g = self._capture(stage, copy, args)
-            if g is None:
+            captured = self._capture(stage, copy, args) if stage.name not in self.eager else None
+            if captured is None:
                 return stage(*args), False
-            return g.outs, True  # the capture replayed it once already
+            return captured[1], True  # the capture replayed it once already
         self._wait_readers(copy)
         g.load(args)
         g.graph.replay()
@@ -286,7 +325,7 @@ class StageGraphs:
             for ev in events:
                 cur.wait_event(ev)
 
-    def _capture(self, stage: Stage, copy: int, args: Sequence) -> _Graph | None:
+    def _capture(self, stage: Stage, copy: int, args: Sequence) -> tuple[_Graph, tuple] | None:
         for name, a in zip(stage.inputs, args):
             if isinstance(a, torch.Tensor) and a.device != self.device:
                 return self._fallback(stage, f"input {name} is on {a.device}, not {self.device}")
@@ -296,22 +335,34 @@ class StageGraphs:
             # replay stream; graphed stages are compute stages, all on one stream.
             return self._fallback(stage, "graphs replaying on more than one stream are not supported")
         self._wait_readers(copy)
-        static_args, kinds, static_storage = [], [], set()
-        for name, a in zip(stage.inputs, args):
+        # Captures happen in the first step only: settling there costs one wait each.
+        self.cuda.settle(self.device)
+        static_args, kinds, static_storage, copied = [], [], set(), []
+        for i, (name, a) in enumerate(zip(stage.inputs, args)):
             if not isinstance(a, torch.Tensor):
                 kind = _CONST
             elif name in self.static_names:
                 kind = _STATIC
                 static_storage.add(storage_key(a))
-            elif self._out_ids.get(id(a)) == copy:
-                kind = _SHARED
+            elif (hit := self._outs.get(a)) is not None and hit[0] == copy:
+                kind = _SHARED  # read in place
             else:
                 kind = _COPY
-                buf = torch.empty_like(a)  # same strides where a is dense
-                buf.copy_(a)
-                a = buf
+                copied.append(i)
             kinds.append(kind)
             static_args.append(a)
+
+        def alloc() -> list[torch.Tensor]:
+            return [torch.empty_like(args[i]) for i in copied]  # same strides where dense
+
+        def run(bufs: list[torch.Tensor]) -> tuple:
+            # The capture reads the tensors as they are (an output that views one keeps
+            # it alive as long as in eager); the graph keeps aliases (below).
+            full = list(static_args)
+            for i, b in zip(copied, bufs):
+                full[i] = b
+            return tuple(stage(*full))
+
         try:
             if self._side is None:
                 self._side = self.cuda.new_stream(self.device)
@@ -319,25 +370,34 @@ class StageGraphs:
             with self.cuda.stream(self._side):
                 # The stage's other copy was warmed up already: lazy initialisation is done.
                 for _ in range(0 if stage.name in self._warmed else WARMUP_ITERS):
-                    stage(*static_args)
+                    stage(*args)
             cur.wait_stream(self._side)
             self._warmed.add(stage.name)
-            graph, outs = self.cuda.capture(lambda: tuple(stage(*static_args)), self._pool(copy))
+            graph, bufs, outs = self.cuda.capture(alloc, run, self._pool(copy))
         except Exception as e:  # noqa: BLE001 - any capture failure leaves the stage eager
             self.cuda.synchronize(self.device)
             return self._fallback(stage, f"capture failed: {type(e).__name__}: {e}")
+        for i, b in zip(copied, bufs):
+            b.copy_(args[i])
+            static_args[i] = self.cuda.alias(b)
+        for i, kind in enumerate(kinds):
+            if kind == _SHARED:
+                static_args[i] = self._outs[static_args[i]][1]
         graph.replay()  # on the stage's stream: this call's outputs
-        g = _Graph(stage, copy, graph, static_args, kinds, outs, cur)
+        # The graph keeps only aliases; this call returns the tensors the capture made,
+        # so their memory (and the input buffers', dropped here) goes back to the copy's
+        # pool where the program drops them, for the copy's later captures to reuse.
+        aliases = tuple(self.cuda.alias(o) if isinstance(o, torch.Tensor) and storage_key(o) not in static_storage
+                        else o for o in outs)
+        g = _Graph(stage, copy, graph, static_args, kinds, aliases, cur)
         self._graphs[(stage.name, copy)] = g
         if not self._graph_streams:
             self._graph_streams.append(cur)
-        for o in outs:
-            if isinstance(o, torch.Tensor):
-                self._out_ids.setdefault(id(o), copy)
-                key = storage_key(o)
-                if key not in static_storage:  # a view of a parameter is not graph memory
-                    self._owned.setdefault(key, (copy, cur))
-        return g
+        for o, al in zip(outs, aliases):
+            if isinstance(o, torch.Tensor) and al is not o:
+                self._outs[o] = self._outs[al] = (copy, al)
+                self._owned.setdefault(storage_key(o), (copy, cur))
+        return g, outs
 
     def _fallback(self, stage: Stage, reason: str) -> None:
         self.eager[stage.name] = reason
@@ -360,7 +420,7 @@ class StageGraphs:
             self.cuda.synchronize(self.device)
         graphs = list(self._graphs.values())
         self._graphs.clear()
-        self._out_ids.clear()
+        self._outs = WeakIdKeyDictionary()
         self._owned.clear()
         self._pending.clear()
         self._pools.clear()

@@ -27,20 +27,22 @@ definition (a recompute stage may produce a forward value's name again):
 So the saved activations of microbatch i are gone once B(i) has used them, and
 once the program has run, every store holds only parameters and buffers.
 
-Memory a CUDA graph owns (the outputs of a stage with ``stage.graphed``, static
-memory overwritten at replay) is never freed by hand: it stays in the store until
-the runtime drops the stores at the end of the run. Our frees never resize or
-release a storage (``untyped_storage().resize_(0)``), so even a stray free of graph
-memory could not pull memory out from under a graph. Megatron-LM had to revert a
-change that resized storage owned by a CUDA graph; this pass keeps that from
-happening here by construction.
+Values a CUDA graph wrote (the outputs of a stage with ``stage.graphed``) are freed
+like any other. In the step that captures the graphs they are the tensors the capture
+made, in the graph's memory pool: freeing them returns their blocks to that pool, and
+the copy's later captures reuse them, so the pool follows the program's liveness
+(``fxoverlap.cudagraphs``, "Memory pools"). At replay they are aliases that own
+nothing, and freeing them releases nothing. Our frees never resize or release a
+storage (``untyped_storage().resize_(0)``), so a free cannot pull memory out from
+under a graph. Megatron-LM had to revert a change that resized storage owned by a
+CUDA graph; this pass keeps that from happening here by construction.
 
 Steps
 -----
 1. Walk the nodes in order; per (microbatch, value) keep the anchor of its current
    definition: its last reader so far, else its producer, else "before the
    microbatch's first node" (inputs, tangents). A value defined again first closes
-   its previous definition; graph-owned definitions close without a free.
+   its previous definition.
 2. Insert one free per anchor: after the anchor node and the event recorded on its
    stream right after it, or before the microbatch's first node.
 
@@ -65,7 +67,6 @@ def free(program: torch.fx.GraphModule, stages: list[Stage], capture: Capture) -
     nodes = steps(program)
     if not nodes:
         return program
-    graphed = {s.name for s in stages if s.graphed}
     static = capture.static_placeholders
     per_mb_inputs = [*capture.input_placeholders, *capture.tangents]
 
@@ -74,23 +75,16 @@ def free(program: torch.fx.GraphModule, stages: list[Stage], capture: Capture) -
     # from the start). A value produced again (a recompute stage replaying a forward
     # value) first gets the free of its previous definition.
     anchor: dict[tuple[int, str], torch.fx.Node | None] = {}
-    owned: set[tuple[int, str]] = set()
     first_node: dict[int, torch.fx.Node] = {}
     to_free: dict[tuple[int, torch.fx.Node | None], list[str]] = {}
 
     def close(mb: int, v: str) -> None:
-        at = anchor.pop((mb, v))
-        if (mb, v) in owned:
-            owned.discard((mb, v))  # a CUDA graph's memory: its owner releases it
-        else:
-            to_free.setdefault((mb, at), []).append(v)
+        to_free.setdefault((mb, anchor.pop((mb, v))), []).append(v)
 
-    def define(mb: int, v: str, at: torch.fx.Node | None, graph_owned: bool = False) -> None:
+    def define(mb: int, v: str, at: torch.fx.Node | None) -> None:
         if (mb, v) in anchor:
             close(mb, v)
         anchor[(mb, v)] = at
-        if graph_owned:
-            owned.add((mb, v))
 
     for n, step in nodes:
         mb = step.microbatch
@@ -108,7 +102,7 @@ def free(program: torch.fx.GraphModule, stages: list[Stage], capture: Capture) -
                 )
             anchor[(mb, v)] = n
         for v in step.writes:
-            define(mb, v, n, step.stage in graphed)
+            define(mb, v, n)
     for mb, v in list(anchor):
         close(mb, v)
 

@@ -5,7 +5,8 @@ needs: tests/test_passes.py.)
 - the pass marks exactly the capturable compute stages: in capacity routing every
   compute stage, in dropless routing all but the experts stages (skipped with a
   reason naming the node); comm stages are never marked; each skipped stage's
-  reason is logged once; graph-owned outputs are never freed by the free pass;
+  reason is logged once; graph outputs are freed at their last use like any value
+  (that is what lets a copy's pool follow the program's liveness);
 - on CPU, ``cuda_graphs=True`` is a no-op for the runtime with a one-time warning,
   numerics unchanged (bitwise);
 - the runtime's capture/replay logic (``fxoverlap.cudagraphs.StageGraphs``) run on
@@ -14,7 +15,10 @@ needs: tests/test_passes.py.)
   equal with 1-5 microbatches (two copies per stage, static inputs shared between
   graphs, no gradient or loss aliasing graph memory), and a single copy per stage
   visibly corrupts them (the test has teeth); cross-stream reads of graph memory
-  make the next replay of that copy wait.
+  make the next replay of that copy wait; the graphs keep no reference to the tensors
+  their capture made (outputs, input buffers), so those die where the program frees
+  them, and a copy shares one pool only where its microbatches use graph memory in the
+  same order.
 
 What needs a GPU (real capture, memory pools, streams, NCCL teardown) is in
 ``scripts/gpu_cudagraph_check.py``.
@@ -23,7 +27,10 @@ What needs a GPU (real capture, memory pools, streams, NCCL teardown) is in
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import types
+import weakref
 
 import pytest
 import torch
@@ -118,24 +125,19 @@ def test_dropless_experts_skipped_with_reason(caplog):
                if "not captured" in r.getMessage() and "data-dependent" in r.getMessage())
 
 
-def test_free_leaves_graph_owned_outputs():
+def test_free_frees_graph_outputs_as_without_graphs():
     model = _model("capacity")
     with pytest.warns(UserWarning):
         engine, _, _ = _run(model, fxoverlap.OverlapConfig(cuda_graphs=True), _batches(3, 256))
-    owned = set().union(*(s.outputs for s in engine.stages if s.graphed))
-    freed = set()
-    for n in engine.program.graph.nodes:
-        if n.op == "call_function" and n.target is program_ops.free:
-            freed.update(n.args[1:])
-    assert owned and freed, "expected both graph-owned outputs and frees"
-    assert not owned & freed, sorted(owned & freed)[:5]
-    # Without cuda_graphs the same values are freed: the pass is what keeps them.
     plain, _, _ = _run(_model("capacity"), fxoverlap.OverlapConfig(), _batches(3, 256))
-    freed_plain = set()
-    for n in plain.program.graph.nodes:
-        if n.op == "call_function" and n.target is program_ops.free:
-            freed_plain.update(n.args[1:])
-    assert owned & freed_plain
+
+    def frees(e):
+        return [(n.args, n.prev.name) for n in e.program.graph.nodes
+                if n.op == "call_function" and n.target is program_ops.free]
+
+    owned = set().union(*(s.outputs for s in engine.stages if s.graphed))
+    assert owned and owned <= {v for args, _ in frees(engine) for v in args[1:]}
+    assert frees(engine) == frees(plain)  # same frees, at the same places
 
 
 # ---------------------------------------------------------------- CPU: a no-op
@@ -242,11 +244,21 @@ class FakeCuda(cg.CudaBackend):
     def pool_handle(self):
         return object()
 
-    def capture(self, fn, pool):
-        outs = fn()
-        g = _Graph(self, fn, outs, pool)
+    def settle(self, device):
+        pass
+
+    def capture(self, alloc, fn, pool):
+        bufs = [b.zero_() for b in alloc()]  # a real capture runs nothing; this runs, on valid values
+        outs = fn(bufs)
+        held = [self.alias(b) for b in bufs]  # the graph reads the buffers' memory, as a real one does
+        g = _Graph(self, lambda: fn(held), outs, pool)
         self.graphs.append(g)
-        return g, outs
+        return g, bufs, outs
+
+    def alias(self, t):
+        # Another tensor over the same memory, as on CUDA (there it does not keep the
+        # memory allocated; on CPU nothing may be freed under it, so this one does).
+        return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
     def empty_cache(self):
         pass
@@ -387,3 +399,75 @@ def test_pool_per_graph_where_replay_order_differs(fake_cuda, caplog):
                for r in caplog.records)
     pools0 = [g.graph.pool for (name, c), g in sg._graphs.items() if c == 0]
     assert pools0 and all(p is None for p in pools0)  # None: a private pool of its own
+
+
+def test_graphs_keep_no_capture_tensor_alive(fake_cuda, monkeypatch):
+    """On CUDA the capture's tensors live in the copy's pool; once the program frees
+    them, later captures of the copy reuse their blocks. That needs the graphs to hold
+    only aliases: here every tensor a capture made is garbage after the step, while
+    the replays stay bitwise."""
+    made = []
+    capture = FakeCuda.capture
+
+    def tracked(self, alloc, fn, pool):
+        g, bufs, outs = capture(self, alloc, fn, pool)
+        made.extend(weakref.ref(t) for t in (*bufs, *outs) if isinstance(t, torch.Tensor))
+        return g, bufs, outs
+
+    monkeypatch.setattr(FakeCuda, "capture", tracked)
+    monkeypatch.setattr(_Graph, "__init__", _graph_init_without_outs)
+    mbs = _batches(4, 256, seed=13)
+    model = _model("capacity")
+    _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(), mbs)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
+    _steps_bitwise(engine, model, mbs, ref_losses, ref_grads, steps=1)
+    gc.collect()
+    # what stays: views of parameters and buffers, which the graphs read in place
+    static = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    alive = [r() for r in made if r() is not None]
+    assert len(made) > 100 and all(t.untyped_storage().data_ptr() in static for t in alive)
+    assert len(alive) < len(made) / 4
+    del alive
+    _steps_bitwise(engine, model, mbs, ref_losses, ref_grads, steps=2)
+    (sg,) = fake_cuda.made
+    assert all(sg.shared_pool.values())
+    engine.close()
+
+
+def _graph_init_without_outs(self, backend, fn, outs, pool):
+    # The stand-in graph rewrites its outputs' memory at replay: it needs that memory,
+    # not the capture's tensor objects (a real graph holds neither).
+    self.backend, self.fn, self.pool = backend, fn, pool
+    self.outs = [backend.alias(o) if isinstance(o, torch.Tensor) else o for o in outs]
+
+
+def test_pool_shared_only_where_graph_memory_is_used_alike():
+    """The pool check compares, per microbatch, the graphed calls and every read of a
+    graphed stage's output (where those values die), not only the graphed calls."""
+    stages = [_stage("g", ["x"], ["y"], graphed=True), _stage("e", ["y"], ["z"], graphed=False),
+              _stage("h", ["z"], ["w"], graphed=True), _stage("r", ["y"], ["q"], graphed=False)]
+    # two microbatches in flight: copies 0 (microbatches 0, 2) and 1
+    same = [(0, "g"), (0, "e"), (1, "g"), (0, "r"), (0, "h"), (1, "e"), (2, "g"), (1, "r"), (1, "h"),
+            (2, "e"), (2, "r"), (2, "h")]
+    moved = same[:-2] + [(2, "h"), (2, "r")]  # microbatch 2 reads y after h: y lives longer
+    assert cg.StageGraphs(_program(stages, same), stages, (), torch.device("cpu"), FakeCuda()).shared_pool == {
+        0: True, 1: True}
+    assert cg.StageGraphs(_program(stages, moved), stages, (), torch.device("cpu"), FakeCuda()).shared_pool == {
+        0: False, 1: True}
+
+
+def _stage(name, inputs, outputs, graphed):
+    # what the pool planning reads of a stage
+    return types.SimpleNamespace(name=name, inputs=inputs, outputs=outputs, graphed=graphed)
+
+
+def _program(stages, calls):
+    from fxoverlap.meta import STEP_KEY
+    by = {s.name: s for s in stages}
+    g = torch.fx.Graph()
+    for mb, name in calls:
+        n = g.call_function(program_ops.output, (mb,))
+        n.meta[STEP_KEY] = program_ops.Step(mb, StreamKind.COMP, tuple(by[name].inputs), tuple(by[name].outputs),
+                                            stage=name)
+    g.output(None)
+    return torch.fx.GraphModule(torch.nn.Module(), g)

@@ -342,24 +342,23 @@ def test_free_each_value_once_after_its_last_use(pattern, parts, n):
     assert free(program, stages, cap).code == before  # a second run adds nothing
 
 
-def test_free_never_frees_cuda_graph_outputs():
+def test_free_treats_cuda_graph_outputs_like_others():
+    # Graphed stages' outputs die at their last use too (a copy's graph pool reuses
+    # their memory from there, fxoverlap.cudagraphs): marking stages graphed changes no free.
     stages, cap = model_stages("mm", side=True)
-    graphed = [s for s in stages if s.kind in (K.EXPERTS, K.POST)]
-    for s in graphed:
-        s.graphed = True
+    plain = free(streams(schedule(stages, cap, 3)), stages, cap).code
+    stages, cap = model_stages("mm", side=True)
+    for s in stages:
+        s.graphed = s.kind in (K.EXPERTS, K.POST)
     program = free(streams(schedule(stages, cap, 3)), stages, cap)
-    freed = {v for n in program.graph.nodes if n.target is program_ops.free for v in n.args[1:]}
-    owned = {v for s in graphed for v in s.outputs}
-    assert not owned & freed
-    assert {v for s in stages if not s.graphed for v in s.outputs} <= freed  # the others still are
-    # what stays in the stores at the end is exactly the graph-owned memory
+    assert program.code == plain
     live: dict[int, set[str]] = {mb: {"tokens", "labels", "tangent"} for mb in range(3)}
     for node, step in program_ops.steps(program):
         live[step.microbatch].update(step.writes)
     for node in program.graph.nodes:
         if node.target is program_ops.free:
             live[node.args[0]] -= set(node.args[1:])
-    assert all(v == owned for v in live.values())
+    assert all(not v for v in live.values())
 
 
 # ================================================================ side
