@@ -37,11 +37,15 @@ class OverlapConfig:
         delay_wgrad: split backward expert stages into input-grad and weight-grad
             parts and run the weight-grad part after the comm slot it can fill.
         free_early: insert early-free nodes so each value is dropped at its last use.
-        cuda_graphs: run capturable compute stages as CUDA graphs (GPU only; a
-            warning and no-op on CPU). Each graphed stage keeps two static copies of
-            its outputs (two microbatches in flight), so it pays for small,
-            host-bound shapes; call ``engine.close()`` before destroying the
-            process group.
+        cuda_graphs: run capturable compute stages as CUDA graphs (GPU only).
+            ``None`` (default): on CUDA, unless a graph would copy in a value over
+            64 MiB from an eager stage at every replay (``passes/cudagraph.py``: at
+            the measured shapes graphs then cost more than they save); off on CPU.
+            ``True``: always (a warning and no-op on CPU); ``False``: never. Graphs
+            share one memory pool per microbatch parity that follows the program's
+            liveness, so they need no more memory than eager stages
+            (``fxoverlap/cudagraphs.py``). Call ``engine.close()`` before destroying
+            the process group.
         mhc_recompute_group: with mHC layers, replay the hyper-connection forward
             of each group of this many layers before the group's backward instead
             of saving its activations. ``None``: recompute off.
@@ -75,7 +79,7 @@ class OverlapConfig:
     comm_stream_priority: int = -1
     delay_wgrad: bool = False
     free_early: bool = True
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     mhc_recompute_group: int | None = None
     record_memory: bool = False
     progress: bool = True

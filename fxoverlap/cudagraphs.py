@@ -435,18 +435,19 @@ class StageGraphs:
 class GraphCache:
     """The engine's :class:`StageGraphs`, one per program; see ``Engine.close()``."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool | None):
+        self.enabled = enabled is not False  # None: wherever the cudagraph pass graphed stages
+        self.asked = enabled is True  # only an explicit True warns where graphs cannot run
         self._by_program: dict[int, StageGraphs] = {}
         self._warned = False
 
     def get(self, program: torch.fx.GraphModule, stages: Sequence[Stage], capture,
             device: torch.device) -> StageGraphs | None:
         """The graphs for ``program``, or None where CUDA graphs are off or cannot run."""
-        if not self.enabled:
+        if not self.enabled or not any(s.graphed for s in stages):
             return None
         if device.type != "cuda":
-            if not self._warned:
+            if self.asked and not self._warned:
                 self._warned = True
                 msg = (f"fxoverlap: OverlapConfig(cuda_graphs=True) has no effect on {device.type}: "
                        f"CUDA graphs need a CUDA device; every stage runs eagerly")

@@ -48,8 +48,8 @@ def build_stages(capture: Capture, config: OverlapConfig, device_type: str, trai
     if train:  # activation checkpointing, and mHC with mhc_recompute_group
         gm = recompute(gm, capture.num_layers, config.mhc_recompute_group)
     stages = split(gm, capture.num_layers, delay_wgrad=config.delay_wgrad and train)
-    if config.cuda_graphs:
-        cudagraph(stages)
+    if config.cuda_graphs or (config.cuda_graphs is None and device_type == "cuda"):
+        cudagraph(stages, config.cuda_graphs)
     if config.resolved_compiler(device_type) == "inductor":
         inductor(stages, capture, dict(config.compile_options or {}),
                  progress=_progress if config.progress else None)

@@ -471,3 +471,36 @@ def _program(stages, calls):
                                             stage=name)
     g.output(None)
     return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_auto_graphs_unless_a_graph_copies_in_a_large_value(monkeypatch, caplog):
+    """cuda_graphs=None (the default): on CPU nothing is graphed and nothing warns; the
+    pass graphs the capturable stages unless one would copy in, at every replay, a value
+    from an eager stage larger than the bound, and then none."""
+    import warnings
+
+    from fxoverlap.passes import cudagraph as pass_
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine, _, _ = _run(_model("capacity"), fxoverlap.OverlapConfig(), _batches(2, 256))
+    stages = engine.stages
+    assert not any(s.graphed for s in stages) and engine.cuda_graph_summary() == []
+    pass_.cudagraph(stages, None)
+    size, name, value = pass_.largest_copy_in(stages)
+    consumer = next(s for s in stages if s.name == name)
+    producer = next(s for s in stages if value in s.outputs)
+    assert consumer.graphed and not producer.graphed and producer.stream is StreamKind.COMM
+    val = next(ph for ph in consumer.graph_module.graph.find_nodes(op="placeholder") if ph.target == value).meta["val"]
+    assert size == val.numel() * val.element_size() > 0
+    graphable = {s.name for s in stages if s.capturable}
+    assert {s.name for s in stages if s.graphed} == graphable
+    monkeypatch.setattr(pass_, "AUTO_MAX_COPY_BYTES", size - 1)
+    with caplog.at_level(logging.INFO, logger="fxoverlap"):
+        pass_.cudagraph(stages, None)
+    assert not any(s.graphed for s in stages)
+    assert any(f"stage {name} would copy in {value}" in r.getMessage() for r in caplog.records)
+    pass_.cudagraph(stages, True)  # an explicit True graphs anyway
+    assert {s.name for s in stages if s.graphed} == graphable
+    pass_.cudagraph(stages, False)
+    assert not any(s.graphed for s in stages)
