@@ -1,7 +1,7 @@
 """CUDA graphs for stage calls: the runtime side of ``passes/cudagraph.py``.
 
-The pass marks the stages to graph (``stage.graphed``); with
-``OverlapConfig(cuda_graphs=True)`` on a CUDA device, :class:`ProgramRunner` hands
+The pass marks the stages to graph (``stage.graphed``); on a CUDA device (with
+``OverlapConfig(cuda_graphs=None)``, the default, or ``True``), :class:`ProgramRunner` hands
 each such call to a :class:`StageGraphs` (one per program, kept by the engine across
 steps), which captures the stage once per *copy* and afterwards only replays it.
 Communication stages are never captured: they stay eager on the comm stream, so no
@@ -39,41 +39,50 @@ comm stage's output), so they cost nothing; they make the rule independent of th
 Static inputs
 -------------
 Parameters and buffers are passed to the graph as they are (stable addresses; a
-moved parameter is an error, not a silent stale read). A value that is the static
-output of another graph of the same copy (the attn stage's output read by the
-backward attn stage of the same microbatch) is read in place: no buffer, no copy;
-at replay the incoming tensor must be that very tensor. Everything else (outputs of
-eager comm stages, the microbatch inputs, the loss tangent) is copied into a static
-input buffer before each replay, on the stage's stream.
+moved parameter is an error, not a silent stale read). A value that is the output of
+another graph of the same copy (the attn stage's output read by the backward attn
+stage of the same microbatch) is read in place: no buffer, no copy; at replay the
+incoming tensor must be that memory. Everything else (outputs of eager comm stages,
+the microbatch inputs, the loss tangent) is copied into a static input buffer before
+each replay, on the stage's stream. The buffers are allocated inside the capture
+(an allocation launches no kernel), so they come from the copy's pool like the
+graph's outputs.
 
 Memory pools
 ------------
-Outputs of different graphs must not alias while both are live. Each copy gets its
-own pool, so graphs of different parities never share memory: microbatch i's
-saved activations (copy i%2) are live while copy (i+1)%2's graphs replay. Within a
-copy, one pool is shared by all its graphs when that is safe by PyTorch's rule for
-sharing a pool: the graphs replay in the order they were captured and never
-concurrently. Every graph keeps its static outputs referenced until
-:meth:`StageGraphs.close`, so a later capture can only reuse an earlier graph's
-*temporaries*; with every microbatch of the copy replaying the same sequence of
-graphs as the one that captured them (captures happen in the copy's first
-microbatch, in program order), an earlier graph never replays between a later
-graph's replay and that microbatch's last read of its outputs, because microbatch m
-is done before m+copies starts. This is checked on the program per copy (same
-sequence of graphed stages for every microbatch of the copy, all graphed calls on
-one stream); where it fails (e.g. delayed weight-grad stages placed differently in
-the last microbatch's backward) that copy falls back to one private pool per graph,
-and the reason is logged.
+Each copy gets its own pool, so graphs of different parities never share memory:
+microbatch i's saved activations (copy i%2) are live while copy (i+1)%2's graphs
+replay. Within a copy one pool serves all graphs, and it follows the program's
+liveness: a graph keeps only *aliases* of its outputs and input buffers (tensors over
+their memory that own nothing, as Inductor's CUDA-graph trees hand out outputs). The
+capturing call returns the tensors the capture made; the program frees them at their
+last use (``passes/free.py``), which returns their blocks to the pool, and the copy's
+later captures reuse those blocks for their own outputs, buffers and temporaries. So
+the pool holds what one microbatch of the copy has live at once, not every output
+of every graph.
 
-Costs: every graphed stage keeps two sets of static outputs alive for the life of
-the engine, including parameter-gradient outputs of backward stages (which the
-runtime accumulates into ``p.grad`` right after the call; ``p.grad`` is never an
-alias of graph memory). Programs for different microbatch counts get separate
-graphs. Capture happens in the first step: per graph, a few warm-up runs on a side
+Why this is safe: a later graph k of the copy may write where a value u died before
+k's capture. At every replay u is dead there too, when (a) every microbatch of the
+copy does the same with graph memory in the same order as the one that captured the
+graphs (the same graphed calls, the same reads of graphed outputs, so each value dies
+at the same point relative to them), (b) the copy's next microbatch starts only after
+the previous one's last call (:func:`in_flight_depth`), and (c) all graphs replay on
+one stream, with eager readers on another stream fenced by the events above. The
+pool plan checks (a) and (c) on the program per copy; where they fail (e.g. delayed
+weight-grad stages placed differently in the last microbatch's backward) that copy
+falls back to one private pool per graph, and the reason is logged. Before each
+capture the runtime waits for the device, so blocks whose cross-stream readers were
+pending are free for the capture to reuse.
+
+Costs: programs for different microbatch counts get separate graphs. The copy into
+a static input buffer is a device copy per replay, which at large shapes costs more
+than the launches a graph saves: ``passes/cudagraph.py`` turns graphs off by default
+there. Capture happens in the first step: per graph, a few warm-up runs on a side
 stream (as PyTorch's CUDA-graph docs recommend: lazy initialisation such as cuBLAS
 handles or the grouped-GEMM probe must not happen during capture), then the capture,
 then one replay. A capture that fails (e.g. a host sync hidden inside a custom op)
-leaves that stage eager, with a logged reason.
+leaves that stage eager, with a logged reason. Gradients and losses are cloned off
+graph memory before they reach ``p.grad`` or the caller.
 
 Capture runs on a side capture stream (``torch.cuda.graph``'s own), not on the
 stage's stream: the compute stream is normally the legacy default stream, which
