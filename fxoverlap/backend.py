@@ -69,6 +69,7 @@ import dataclasses
 import logging
 import re
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -77,6 +78,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
 from fxoverlap.config import OverlapConfig
+from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.meta import CHECKPOINT_KEY, CHILD_KEY, LAYER_KEY
 from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
 from fxoverlap.pipeline import build_program, build_stages
@@ -106,6 +108,7 @@ class _Unsupported(Exception):
 
 
 _last: CompiledStep | None = None
+_graphed_steps: weakref.WeakSet = weakref.WeakSet()  # compiled steps holding CUDA graphs
 
 
 def last_compiled() -> CompiledStep | None:
@@ -114,10 +117,13 @@ def last_compiled() -> CompiledStep | None:
 
 
 def reset() -> None:
-    """Forget :func:`last_compiled` (``torch._dynamo.reset()`` calls this too, where it
-    reaches the backend)."""
+    """Forget :func:`last_compiled` and release every compiled step's CUDA graphs
+    (``torch._dynamo.reset()`` calls this too, where it reaches the backend); call it
+    before ``dist.destroy_process_group()`` when graphs ran."""
     global _last
     _last = None
+    for step in list(_graphed_steps):
+        step.close()
 
 
 def last_stages() -> list[Stage]:
@@ -341,7 +347,7 @@ class _StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: CompiledStep, *args):
         outs, state = step._run_forward(args)
-        ctx.step, ctx.state = step, state
+        ctx.step, ctx.state = step, state  # state: (runner, RunState)
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, step._differentiable) if not d))
         return outs
 
@@ -366,8 +372,18 @@ class CompiledStep:
     def __init__(self, gm: torch.fx.GraphModule, capture_: Capture, stages: list[Stage],
                  program: torch.fx.GraphModule, wrapper: _GraphStep, config: OverlapConfig, device: torch.device):
         self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
+        self._graphs = GraphCache(config.cuda_graphs)
+        graphs = self._graphs.get(program, stages, capture_, device)
         self.runner = ProgramRunner(program, stages, capture_, device, grads=None,
-                                    comm_stream_priority=config.comm_stream_priority)
+                                    comm_stream_priority=config.comm_stream_priority, cuda_graphs=graphs)
+        # The program has one microbatch, so one copy of each graph: a forward that
+        # starts while a graphed forward still awaits its backward (two losses summed
+        # before one backward) runs without graphs rather than overwrite it.
+        self._plain = self.runner if graphs is None else ProgramRunner(
+            program, stages, capture_, device, grads=None, comm_stream_priority=config.comm_stream_priority)
+        self._awaiting_backward: weakref.ref | None = None
+        if graphs is not None:
+            _graphed_steps.add(self)
         # where each placeholder of the joint graph comes from: a graph input index
         index_of = {f"in{i}": i for i in wrapper.diff_index}
         self._static_src = [(ph, index_of[fqn]) for ph, fqn in capture_.param_placeholders.items()]
@@ -389,17 +405,31 @@ class CompiledStep:
         outs = _StepFunction.apply(self, *args)
         return outs if isinstance(outs, tuple) else (outs,)
 
-    def _run_forward(self, args) -> tuple[tuple, RunState]:
+    def close(self) -> None:
+        """Release this step's CUDA graphs; later calls run without them."""
+        self._graphs.close()
+        self._graphs.enabled = False
+        self.runner.cuda_graphs = None
+
+    def _run_forward(self, args) -> tuple[tuple, tuple[ProgramRunner, RunState]]:
         static = dict(self._buffers)
         static.update((ph, args[i]) for ph, i in self._static_src)
-        state = self.runner.start(static, [[args[i] for i in self._input_src]], tangents=[()])
-        self.runner.execute(state, "forward")
+        graphed = self.runner.cuda_graphs is not None
+        busy = self._awaiting_backward is not None and self._awaiting_backward() is not None
+        runner = self._plain if graphed and busy else self.runner
+        state = runner.start(static, [[args[i] for i in self._input_src]], tangents=[()])
+        runner.execute(state, "forward")
+        if runner.cuda_graphs is not None:
+            self._awaiting_backward = weakref.ref(state)
         outs = state.outputs[0]
-        return tuple(outs.pop(o) for o in self.capture.outputs), state
+        return tuple(outs.pop(o) for o in self.capture.outputs), (runner, state)
 
-    def _run_backward(self, state: RunState, grad_outputs, needs_grad) -> list:
-        self.runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
-        self.runner.execute(state, "backward")
+    def _run_backward(self, run: tuple[ProgramRunner, RunState], grad_outputs, needs_grad) -> list:
+        runner, state = run
+        if self._awaiting_backward is not None and self._awaiting_backward() is state:
+            self._awaiting_backward = None
+        runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
+        runner.execute(state, "backward")
         grads = [None] * len(needs_grad)
         for i, v in self._grad_of.items():
             if needs_grad[i]:

@@ -504,3 +504,37 @@ def test_auto_graphs_unless_a_graph_copies_in_a_large_value(monkeypatch, caplog)
     assert {s.name for s in stages if s.graphed} == graphable
     pass_.cudagraph(stages, False)
     assert not any(s.graphed for s in stages)
+
+
+def test_backend_replays_graphs_and_never_overwrites_a_pending_backward(fake_cuda):
+    """``torch.compile(model, backend="fxoverlap", mode="reduce-overhead")``: the backend's
+    one-microbatch program runs as graphs (one copy each), bitwise equal to eager over
+    steps. Two forwards before one backward (summed losses) must not let the second
+    overwrite the first's saved activations: the second runs without graphs."""
+    import fxoverlap.backend as fxb
+
+    mbs = _batches(3, 256, seed=21)
+    model = _model("capacity")
+    ref = []
+    for tokens, labels in mbs:
+        model(tokens, labels).backward()
+        ref.append(_grads(model))
+    both = {k: ref[0][k] + ref[1][k] for k in ref[0]}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxoverlap", mode="reduce-overhead")
+    for (tokens, labels), want in zip(mbs, ref):
+        compiled(tokens, labels).backward()
+        got = _grads(model)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    (sg,) = fake_cuda.made
+    assert sg.copies == 1 and sg.summary()["graphs"] == len(fake_cuda.graphs) > 0
+    replays = sum(e[0] == "replay" for e in fake_cuda.log)
+    # summed losses of two forwards, one backward: gradients equal eager's sum
+    (t0, l0), (t1, l1) = mbs[0], mbs[1]
+    (compiled(t0, l0) + compiled(t1, l1)).backward()
+    got = _grads(model)
+    assert all(torch.allclose(got[k], both[k], rtol=1e-6, atol=1e-7) for k in both)
+    assert sum(e[0] == "replay" for e in fake_cuda.log) > replays  # the first forward still replayed
+    fxb.reset()  # releases the graphs
+    assert fake_cuda.resets == len(fake_cuda.graphs) and sg.summary()["graphs"] == 0
+    torch._dynamo.reset()
