@@ -65,5 +65,5 @@ def build_program(stages: list[Stage], capture: Capture, num_microbatches: int, 
         program = reduce(program, capture, bucket_bytes=int(config.reduce_bucket_mb * 2**20))
     program = streams(program)
     if config.free_early:
-        program = free(program, stages, capture)
+        program = free(program, capture)
     return program

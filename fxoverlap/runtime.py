@@ -345,7 +345,7 @@ def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
     from fxoverlap.passes.free import free
     from fxoverlap.passes.schedule import schedule
 
-    program = free(schedule(list(stages), capture, 1), list(stages), capture)
+    program = free(schedule(list(stages), capture, 1), capture)
     device = next(model.parameters()).device
     runner = ProgramRunner(program, stages, capture, device, grads=accumulate_into(model, capture))
     state = runner.run(static_values(capture, model), [inputs])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -30,6 +31,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    # The result is on disk: leave without the interpreter's teardown, where a library
+    # thread still running can abort the process ("terminate called without an active
+    # exception", seen once in CI after a rank's work was done).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:

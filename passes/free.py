@@ -46,7 +46,7 @@ Steps
 2. Insert one free per anchor: after the anchor node and the event recorded on its
    stream right after it, or before the microbatch's first node.
 
-Entry point: ``free(program, stages, capture) -> GraphModule``; assumes ``streams``
+Entry point: ``free(program, capture) -> GraphModule``; assumes ``streams``
 ran (it works without it too). Running it twice is a no-op the second time.
 """
 
@@ -57,10 +57,9 @@ import torch.fx
 from fxoverlap.passes.capture import Capture
 from fxoverlap.program_ops import free as free_op
 from fxoverlap.program_ops import record_event, steps
-from fxoverlap.stage import Stage
 
 
-def free(program: torch.fx.GraphModule, stages: list[Stage], capture: Capture) -> torch.fx.GraphModule:
+def free(program: torch.fx.GraphModule, capture: Capture) -> torch.fx.GraphModule:
     graph = program.graph
     if any(n.op == "call_function" and n.target is free_op for n in graph.nodes):
         return program  # already rewritten

@@ -233,7 +233,7 @@ finish_bucket5 = fxoverlap_program_finish_reduce(1, 5)""")
         """One microbatch: the comm stream waits for the stage that computed a bucket's
         gradients; the compute stream waits for the comm stream before the finish nodes."""
         cap, _, stages = _stages()
-        program = free(streams(reduce(schedule(stages, cap, 1), cap, bucket_bytes=0)), stages, cap)
+        program = free(streams(reduce(schedule(stages, cap, 1), cap, bucket_bytes=0)), cap)
         text = render_program(program)
         self.assertExpectedInline(text[text.index("B0_l1_attn ="):], """\
 B0_l1_attn = self.bwd_l1_attn(0)

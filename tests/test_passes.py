@@ -264,7 +264,7 @@ def test_streams_order_every_cross_stream_read(pattern, parts, n):
     stages, cap = model_stages(pattern, **parts)
     program = streams(schedule(stages, cap, n))
     check_cross_stream_order(program)
-    check_cross_stream_order(free(program, stages, cap))  # frees move no event
+    check_cross_stream_order(free(program, cap))  # frees move no event
 
 
 def test_cross_stream_check_has_teeth():
@@ -290,7 +290,7 @@ def _free_program(calls, static=("w",), inputs=("inp",), tangents=None, stages=(
 
     cap = SimpleNamespace(static_placeholders=set(static), input_placeholders=list(inputs),
                           tangents=dict(tangents or {}))
-    return free(streams(program_of(calls)), list(stages), cap), cap
+    return free(streams(program_of(calls)), cap), cap
 
 
 def test_free_right_after_last_use_and_after_the_readers_event():
@@ -334,23 +334,23 @@ def test_value_produced_again_is_freed_per_definition():
 @pytest.mark.parametrize("pattern,parts", CASES, ids=CASE_IDS)
 def test_free_each_value_once_after_its_last_use(pattern, parts, n):
     stages, cap = model_stages(pattern, **parts)
-    program = free(streams(schedule(stages, cap, n)), stages, cap)
+    program = free(streams(schedule(stages, cap, n)), cap)
     assert check_program_frees(program, cap) > 0
     freed = [(n.args[0], v) for n in program.graph.nodes if n.target is program_ops.free for v in n.args[1:]]
     assert not set(freed) & {(mb, v) for mb in range(n) for v in cap.static_placeholders}
     before = program.code
-    assert free(program, stages, cap).code == before  # a second run adds nothing
+    assert free(program, cap).code == before  # a second run adds nothing
 
 
 def test_free_treats_cuda_graph_outputs_like_others():
     # Graphed stages' outputs die at their last use too (a copy's graph pool reuses
     # their memory from there, fxoverlap.cudagraphs): marking stages graphed changes no free.
     stages, cap = model_stages("mm", side=True)
-    plain = free(streams(schedule(stages, cap, 3)), stages, cap).code
+    plain = free(streams(schedule(stages, cap, 3)), cap).code
     stages, cap = model_stages("mm", side=True)
     for s in stages:
         s.graphed = s.kind in (K.EXPERTS, K.POST)
-    program = free(streams(schedule(stages, cap, 3)), stages, cap)
+    program = free(streams(schedule(stages, cap, 3)), cap)
     assert program.code == plain
     live: dict[int, set[str]] = {mb: {"tokens", "labels", "tangent"} for mb in range(3)}
     for node, step in program_ops.steps(program):
