@@ -3,7 +3,7 @@
 Contract
 --------
 Assumes: ``schedule`` ran (every stage call and sink carries a ``Step``); usually
-``streams`` and ``cudagraph`` too. Of the runtime (``fxoverlap.runtime.ProgramRunner``):
+``streams`` too. Of the runtime (``fxoverlap.runtime.ProgramRunner``):
 
 - a node reads only its own microbatch's store; parameters and buffers
   (``capture.static_placeholders``) are shared by all microbatches and never freed;
