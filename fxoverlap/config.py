@@ -49,6 +49,11 @@ class OverlapConfig:
         mhc_recompute_group: with mHC layers, replay the hyper-connection forward
             of each group of this many layers before the group's backward instead
             of saving its activations. ``None``: recompute off.
+        ac_replay_comm: with activation checkpointing, replay the all-to-alls of the
+            checkpointed regions in the backward, as eager's checkpoint does, instead of
+            keeping their outputs from forward to backward (``passes/recompute.py``).
+            Saves each MoE layer's dispatch and combine outputs per microbatch in flight;
+            costs those exchanges again, on the comm stream.
         record_memory: keep a per-step trace of live values and bytes
             (``engine.memory_trace``); for tests and debugging.
         progress: print a line per compiled stage and the compile time (rank 0).
@@ -81,6 +86,7 @@ class OverlapConfig:
     free_early: bool = True
     cuda_graphs: bool | None = None
     mhc_recompute_group: int | None = None
+    ac_replay_comm: bool = False
     record_memory: bool = False
     progress: bool = True
     dispatcher: Literal["auto", "all_to_all", "padded", "symm_mem"] = "auto"

@@ -46,7 +46,7 @@ def build_stages(capture: Capture, config: OverlapConfig, device_type: str, trai
     if config.side_stages:
         gm = side(gm)
     if train:  # activation checkpointing, and mHC with mhc_recompute_group
-        gm = recompute(gm, capture.num_layers, config.mhc_recompute_group)
+        gm = recompute(gm, capture.num_layers, config.mhc_recompute_group, replay_comm=config.ac_replay_comm)
     stages = split(gm, capture.num_layers, delay_wgrad=config.delay_wgrad and train)
     if config.cuda_graphs or (config.cuda_graphs is None and device_type == "cuda"):
         cudagraph(stages, config.cuda_graphs)

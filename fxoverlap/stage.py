@@ -23,6 +23,8 @@ class StageKind(str, enum.Enum):
     POST = "post"  # unpermute, weighting, residual
     HEAD = "head"  # final norm, output projection, loss, MTP
     RECOMPUTE = "recompute"  # replay of a group's recompute region before its backward
+    # an all-to-all of a checkpointed region, replayed in the backward (OverlapConfig.ac_replay_comm)
+    RECOMPUTE_COMM = "recompute_comm"
 
     def __str__(self) -> str:
         return self.value
@@ -56,7 +58,8 @@ class Part(str, enum.Enum):
         return self.value
 
 
-COMM_KINDS = frozenset({StageKind.DISPATCH, StageKind.COMBINE})
+COMM_KINDS = frozenset({StageKind.DISPATCH, StageKind.COMBINE, StageKind.RECOMPUTE_COMM})
+RECOMPUTE_KINDS = frozenset({StageKind.RECOMPUTE, StageKind.RECOMPUTE_COMM})
 
 # The order of kinds inside one layer's forward; the backward walks it in reverse.
 # A dense layer has only ATTN and MLP; a MoE layer has no MLP.
@@ -72,6 +75,7 @@ _KIND_RANK = {k: i + 1 for i, k in enumerate(LAYER_KIND_ORDER)}
 _KIND_RANK[StageKind.EMBED] = 0
 _KIND_RANK[StageKind.HEAD] = len(LAYER_KIND_ORDER) + 1
 _KIND_RANK[StageKind.RECOMPUTE] = 99  # backward: before every stage of its group's top layer
+_KIND_RANK[StageKind.RECOMPUTE_COMM] = 99  # with the recompute stages, ordered by phase
 # forward: main then side; backward: early, main, then the weight gradients
 _PART_RANK = {Part.MAIN: 1, Part.SIDE: 2, Part.EARLY: 0, Part.WGRAD: 2}
 
@@ -84,31 +88,37 @@ def stream_of(kind: StageKind) -> StreamKind:
 @dataclasses.dataclass(frozen=True, order=True)
 class Tag:
     """Where a node belongs: (direction, layer, kind, part). ``layer`` is -1 for embed
-    and ``num_layers`` for head, so the plain execution order is the sort order."""
+    and ``num_layers`` for head, so the plain execution order is the sort order.
+    ``phase`` orders a group's recompute stages when its replay includes all-to-alls
+    (``recompute``): compute of phase p, then the all-to-alls of phase p, then p + 1."""
 
     direction: Direction
     layer: int
     kind: StageKind
     part: Part = Part.MAIN
+    phase: int = 0
 
-    def sort_key(self, num_layers: int) -> tuple[int, int, int, int]:
+    def sort_key(self, num_layers: int) -> tuple[int, int, int, int, int]:
         kind_rank, part_rank = _KIND_RANK[self.kind], _PART_RANK[self.part]
+        step = 2 * self.phase + (self.kind is StageKind.RECOMPUTE_COMM)
         if self.direction is Direction.FWD:
-            return (0, self.layer, kind_rank, part_rank)
+            return (0, self.layer, kind_rank, step, part_rank)
         # backward: head first, layers descending, kinds reversed, embed last
-        return (1, num_layers - self.layer, -kind_rank, part_rank)
+        return (1, num_layers - self.layer, -kind_rank, step, part_rank)
 
     def with_part(self, part: Part) -> Tag:
         return dataclasses.replace(self, part=part)
 
     def __str__(self) -> str:
-        return f"{self.direction}:{self.layer}:{self.kind}" + (f":{self.part}" if self.part is not Part.MAIN else "")
+        return (f"{self.direction}:{self.layer}:{self.kind}" + (f"{self.phase}" if self.phase else "")
+                + (f":{self.part}" if self.part is not Part.MAIN else ""))
 
 
 def stage_name(tag: Tag) -> str:
     layer = "model" if tag.kind in (StageKind.EMBED, StageKind.HEAD) or tag.layer < 0 else f"l{tag.layer}"
     suffix = f"_{tag.part}" if tag.part is not Part.MAIN else ""
-    return f"{tag.direction}_{layer}_{tag.kind}{suffix}"
+    phase = str(tag.phase) if tag.phase else ""
+    return f"{tag.direction}_{layer}_{tag.kind}{phase}{suffix}"
 
 
 @dataclasses.dataclass(eq=False)

@@ -13,12 +13,16 @@ should recompute rather than keep. Two sources, one mechanism:
   ``fxoverlap.region("mhc")``. mHC widens the residual stream to n copies, and its
   per-token maps leave many n-times-wide activations for the backward.
 
-Never replayed, whatever the region says, so saved: communication (nodes of a
-layer's dispatch / combine stages: a replayed all-to-all would be a second
-collective every peer must join, costing the exchange again), host syncs (a replay
-would stall the host again), random ops (a replay draws new numbers; a dropout
-probability of 0 is not random) and in-place ops. The compute around them is
-replayed from their saved outputs.
+Never replayed, whatever the region says, so saved: host syncs (a replay would stall
+the host again), random ops (a replay draws new numbers; a dropout probability of 0
+is not random) and in-place ops; and, by default, communication (nodes of a layer's
+dispatch / combine stages: a replayed all-to-all is a second collective every peer
+must join, costing the exchange again). The compute around them is replayed from
+their saved outputs. With ``replay_comm`` (``OverlapConfig(ac_replay_comm=True)``)
+the all-to-alls of checkpointed regions are replayed too, as eager's checkpoint does:
+their outputs are then not kept between forward and backward. They go to recompute
+stages of kind ``RECOMPUTE_COMM`` (the comm stream, so every rank issues them in
+program order), and the group's compute is split into phases around them.
 
 Contract
 --------
@@ -30,7 +34,10 @@ Guarantees: layers are partitioned into *groups* of consecutive layers (one per 
 several layers joins them). For every backward node of a layer in group ``g`` that
 reads a replayable region value of group ``g``, that value's computation is cloned
 into a recompute stage ``Tag(bwd, top layer of g, recompute)`` (``meta[RECOMPUTE_LAYERS_KEY]``
-= the group's layers) and the reader reads the clone. Clone inputs are what the group
+= the group's layers) and the reader reads the clone. With replayed all-to-alls the
+clones get a phase (``Tag.phase``): an all-to-all has the largest phase of its inputs,
+a compute node one more than an all-to-all it reads, so the stages
+``recompute``, ``recompute_comm``, ``recompute1``, ... are acyclic. Clone inputs are what the group
 does not replay: values outside the regions, parameters, saved nodes, and values of
 other groups (a group's input, e.g. the layer input a checkpoint keeps, stays saved).
 Backward readers outside the group (the next layer's, the head's) keep reading the
@@ -48,7 +55,7 @@ Steps
 Runs between ``tag`` and ``split`` (cloning before it lets ``split`` give the
 recompute stage explicit inputs and outputs like any other stage).
 
-Entry point: ``recompute(gm, num_layers, mhc_group=None) -> GraphModule``.
+Entry point: ``recompute(gm, num_layers, mhc_group=None, replay_comm=False) -> GraphModule``.
 """
 
 from __future__ import annotations
@@ -85,16 +92,20 @@ def _draws_random_numbers(node: torch.fx.Node) -> bool:
     return True
 
 
-def _never_replayed(node: torch.fx.Node) -> bool:
-    """Communication, host syncs, random and in-place ops: saved, whatever the region."""
-    if node.op != "call_function" or node.meta[TAG_KEY].kind in COMM_KINDS or is_host_sync(node):
+def _never_replayed(node: torch.fx.Node, replay_comm: bool = False) -> bool:
+    """Host syncs, random and in-place ops (and communication, unless ``replay_comm``):
+    saved, whatever the region."""
+    if node.op != "call_function" or is_host_sync(node):
+        return True
+    if node.meta[TAG_KEY].kind in COMM_KINDS and not replay_comm:
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.is_mutable or _draws_random_numbers(node)
     return False
 
 
-def _replayable(gm: torch.fx.GraphModule, num_layers: int, mhc: bool) -> dict[torch.fx.Node, int]:
+def _replayable(gm: torch.fx.GraphModule, num_layers: int, mhc: bool,
+                replay_comm: bool = False) -> dict[torch.fx.Node, int]:
     """Step 1: forward nodes of the decoder layers to replay, each with its layer."""
     out = {}
     for n in gm.graph.nodes:
@@ -103,7 +114,8 @@ def _replayable(gm: torch.fx.GraphModule, num_layers: int, mhc: bool) -> dict[to
             continue
         marks = custom(n)
         checkpointed = CHECKPOINT_KEY in marks and not _saved_by_policy(n)
-        if (checkpointed or (mhc and marks.get(REGION_KEY) == "mhc")) and not _never_replayed(n):
+        if (checkpointed or (mhc and marks.get(REGION_KEY) == "mhc")) and not _never_replayed(
+                n, replay_comm and checkpointed):
             # an element of a saved multi-output op is saved with it (no tuple crosses stages)
             if n.target is not operator.getitem or n.args[0] in out:
                 out[n] = t.layer
@@ -131,11 +143,12 @@ def _groups(region: dict[torch.fx.Node, int], num_layers: int, mhc_group: int | 
     return out
 
 
-def recompute(gm: torch.fx.GraphModule, num_layers: int, mhc_group: int | None = None) -> torch.fx.GraphModule:
+def recompute(gm: torch.fx.GraphModule, num_layers: int, mhc_group: int | None = None,
+              replay_comm: bool = False) -> torch.fx.GraphModule:
     if mhc_group is not None and mhc_group < 1:
         raise RecomputeError(f"recompute: group size must be >= 1, got {mhc_group}")
     graph = gm.graph
-    region = _replayable(gm, num_layers, mhc=mhc_group is not None)
+    region = _replayable(gm, num_layers, mhc=mhc_group is not None, replay_comm=replay_comm)
     if mhc_group is not None and not any(custom(n).get(REGION_KEY) == "mhc" for n in region):
         raise RecomputeError(
             f"recompute: OverlapConfig.mhc_recompute_group={mhc_group} but no decoder-layer node is "
@@ -164,9 +177,16 @@ def recompute(gm: torch.fx.GraphModule, num_layers: int, mhc_group: int | None =
                 clone(g, p)
         with graph.inserting_before(bwd[0]):
             c = graph.node_copy(node, lambda p: clones.get((g, p), p))
+        comm = node.meta[TAG_KEY].kind in COMM_KINDS
+        phase = 0
+        for p in node.all_input_nodes:
+            if (pc := clones.get((g, p))) is not None:
+                t = pc.meta[TAG_KEY]
+                phase = max(phase, t.phase + (not comm and t.kind is StageKind.RECOMPUTE_COMM))
         c.meta = dict(node.meta)
         c.meta["partitioner_tag"] = "is_backward"
-        c.meta[TAG_KEY] = Tag(Direction.BWD, layers_of[g][-1], StageKind.RECOMPUTE)
+        kind = StageKind.RECOMPUTE_COMM if comm else StageKind.RECOMPUTE
+        c.meta[TAG_KEY] = Tag(Direction.BWD, layers_of[g][-1], kind, phase=phase)
         c.meta[RECOMPUTE_LAYERS_KEY] = layers_of[g]
         clones[key] = c
         return c

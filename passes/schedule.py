@@ -33,7 +33,9 @@ wgrad joins the next pair's slot 1 (the last pair's runs before B embed).
 B head opens the merged step; F post of the last layer, F head and B embed close
 it. A dense layer's ``mlp`` takes the experts slot and has no comm slots. A
 recompute stage runs right before the first stage that reads its outputs, in
-program order.
+program order (a replayed all-to-all of a checkpointed region, with
+``ac_replay_comm``, is a recompute stage on the comm stream, and its own inputs'
+recompute stages run before it).
 
 The drain B(N-1) (with N = 1, the whole backward) has no forward to pair with,
 so it overlaps its comm stages with its own weight-grads: stages run in plain
@@ -67,7 +69,7 @@ from fxoverlap import program_ops
 from fxoverlap.meta import STEP_KEY
 from fxoverlap.passes.capture import Capture
 from fxoverlap.program_ops import StageCall, Step
-from fxoverlap.stage import LAYER_KIND_ORDER, Direction, Part, Stage, StageKind, StreamKind
+from fxoverlap.stage import LAYER_KIND_ORDER, RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind
 
 F, B, K = Direction.FWD, Direction.BWD, StageKind
 
@@ -105,8 +107,8 @@ class _Emitter:
 
     def emit(self, stages: list[Stage], mb: int) -> None:
         for s in stages:
-            for r in self.recompute_for.get(s.name, ()):  # a no-op once r ran for mb
-                self._emit_one(r, mb)
+            # a no-op once r ran for mb; recursive: a replayed all-to-all's inputs are recomputed too
+            self.emit(self.recompute_for.get(s.name, []), mb)
             self._emit_one(s, mb)
 
     def _emit_one(self, s: Stage, mb: int) -> None:
@@ -205,7 +207,7 @@ def schedule(
     num_layers = capture.num_layers
     e = _Emitter(stages, capture)
     for r in stages:
-        if r.kind is K.RECOMPUTE:
+        if r.kind in RECOMPUTE_KINDS:
             readers = [s for s in stages if set(r.outputs) & set(s.inputs)]
             if not readers:
                 raise AssertionError(f"schedule: no stage reads the outputs of recompute stage {r.name}")

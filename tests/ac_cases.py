@@ -78,9 +78,9 @@ def comm_saved_bytes(engine, model, mbs) -> int:
     return stage_bytes(engine.stages, cap, model, mbs[:1], only=comm_out & bwd_in)[0]
 
 
-def run_case(model: nn.Module, rank: int, vocab: int, ns: list[int]) -> list[dict]:
+def run_case(model: nn.Module, rank: int, vocab: int, ns: list[int], **config) -> list[dict]:
     """optimize vs eager (the same model, so the same AC) per microbatch count, with memory."""
-    engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(record_memory=True))
+    engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(record_memory=True, **config))
     rows = []
     for n in ns:
         mbs = make_batches(rank, vocab, n, seed=n)
@@ -107,19 +107,22 @@ def two_ranks(rank: int, world: int) -> dict[str, list[dict]]:
     from titan_models import TitanTransformer
 
     out = {}
-    for name, kw, policy in (("moe/none", {}, None), ("moe/full", dict(activation_checkpoint=True), None),
-                             ("moe/matmuls", {}, save_matmuls)):
+    full = dict(activation_checkpoint=True)
+    replay = dict(ac_replay_comm=True)
+    for name, kw, policy, config in (("moe/none", {}, None, {}), ("moe/full", full, None, {}),
+                                     ("moe/full/replay", full, None, replay), ("moe/matmuls", {}, save_matmuls, {})):
         torch.manual_seed(0)
         model = MoETransformer(MoEConfig.tiny(**MOE, **kw), dist.group.WORLD)
         if policy is not None:
             checkpoint_layers(model, policy)
-        out[name] = run_case(model, rank, MOE["vocab_size"], [1, 3] if name == "moe/full" else [3])
-    for name, policy in (("titan/none", None), ("titan/full", None), ("titan/matmuls", save_matmuls)):
+        out[name] = run_case(model, rank, MOE["vocab_size"], [1, 3] if name.startswith("moe/full") else [3], **config)
+    for name, policy, config in (("titan/none", None, {}), ("titan/full", None, {}),
+                                 ("titan/full/replay", None, replay), ("titan/matmuls", save_matmuls, {})):
         torch.manual_seed(0)
         model = TitanTransformer(dist.group.WORLD)
         if name != "titan/none":
             checkpoint_layers(model, policy)
-        out[name] = run_case(model, rank, 64, [2])
+        out[name] = run_case(model, rank, 64, [2], **config)
     return out
 
 

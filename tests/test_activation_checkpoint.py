@@ -5,7 +5,9 @@
   equal eager with the same AC, bitwise; the interleaved program's peak live bytes with
   full AC are at most half those without; what the program keeps for the backward is
   what eager keeps (measured with saved-tensor hooks) plus the all-to-all outputs, which
-  eager would communicate again and fxoverlap never replays;
+  eager would communicate again and fxoverlap by default does not replay; with
+  ``ac_replay_comm=True`` it replays them too (recompute stages on the comm stream, right
+  before their readers) and keeps what eager keeps, still bitwise;
 - one rank: a checkpointed layer keeps its attn / experts / mlp split (``checkpoint``
   inside the layer, ``checkpoint_wrapper``, a layer whose ``forward`` is replaced by a
   checkpoint partial), under ``optimize`` and the torch.compile backend; the backend
@@ -31,6 +33,7 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.passes.capture import CaptureError
 from fxoverlap.passes.recompute import recompute
+from fxoverlap.pipeline import build_program, build_stages
 from fxoverlap.testing import grad_diff, run_distributed
 from snapshot_utils import requires_pinned_torch
 
@@ -52,6 +55,9 @@ def test_numerics_equal_eager_with_the_same_ac():
             layers = 2 if name.startswith("titan") else 4
             if name.endswith("/none"):
                 assert recompute_stages == [], (name, recompute_stages)
+            elif name.endswith("/replay"):  # phases around the replayed all-to-alls of each MoE layer
+                assert {s.rsplit("_", 1)[0] for s in recompute_stages} == {
+                    f"bwd_l{i}" for i in range(layers)}, recompute_stages
             else:  # one replay per checkpointed layer, right before its backward
                 assert recompute_stages == [f"bwd_l{i}_recompute" for i in reversed(range(layers))], recompute_stages
             # the all-to-alls stay in comm stages, each direction, AC or not
@@ -69,7 +75,7 @@ def test_full_ac_keeps_its_memory_saving():
         assert full["peak"] < sel["peak"] < none["peak"], (rank, full["peak"], sel["peak"], none["peak"])
         titan_none, titan_full = cases["titan/none"][-1], cases["titan/full"][-1]
         assert titan_full["peak"] < 0.75 * titan_none["peak"], (rank, titan_full["peak"], titan_none["peak"])
-        for name in ("moe/full", "moe/matmuls", "titan/full", "titan/matmuls"):
+        for name in ("moe/full", "moe/matmuls", "titan/full", "titan/matmuls"):  # all-to-alls saved
             for row in cases[name]:
                 # what crosses to the backward: eager's saved tensors plus the all-to-all outputs
                 # (eager replays the all-to-alls; 1 % for the layout of a few small values)
@@ -78,6 +84,55 @@ def test_full_ac_keeps_its_memory_saving():
         # and without AC the program keeps what eager keeps (no less)
         assert none["saved"] <= 1.01 * none["eager_saved"], (rank, none)
         assert full["saved"] < 0.3 * none["saved"], (rank, full["saved"], none["saved"])
+
+
+def test_replayed_all_to_alls_keep_what_eager_keeps():
+    """OverlapConfig(ac_replay_comm=True): the checkpointed regions' all-to-alls are replayed
+    in the backward, as eager's checkpoint does, in recompute stages on the comm stream, so
+    the program keeps what eager keeps and no all-to-all output; results stay bitwise."""
+    for rank, cases in enumerate(_two_ranks()):
+        for model in ("moe", "titan"):
+            saved, replayed = cases[f"{model}/full"], cases[f"{model}/full/replay"]
+            for keep, rep in zip(saved, replayed):
+                assert rep["exact"] and rep["comm_saved"] == 0, (rank, model, rep)
+                assert rep["saved"] <= 1.01 * rep["eager_saved"], (rank, model, rep)
+                assert rep["saved"] <= keep["saved"] - keep["comm_saved"], (rank, model, rep, keep)
+                assert rep["peak"] < keep["peak"], (rank, model, rep["peak"], keep["peak"])
+            kinds = dict(replayed[0]["stages"])
+            moe_layers = (0, 1) if model == "titan" else (0, 2, 3)
+            for i in moe_layers:  # dispatch and combine replayed, compute split around them
+                assert kinds[f"bwd_l{i}_recompute_comm"] == kinds[f"bwd_l{i}_recompute_comm1"] == "recompute_comm"
+                assert kinds[f"bwd_l{i}_recompute2"] == "recompute"
+            assert "bwd_l1_recompute_comm" not in kinds or model == "titan"  # the dense layer has none
+
+
+def test_replayed_all_to_alls_run_on_the_comm_stream_before_their_readers():
+    stages = _replay_stages()
+    by = {s.name: s for s in stages}
+    assert by["bwd_l0_recompute_comm"].stream.value == "comm" and by["bwd_l0_recompute1"].stream.value == "comp"
+    assert not by["bwd_l0_recompute_comm"].capturable
+    program = build_program(stages, _replay_capture[0], 3, fxoverlap.OverlapConfig())
+    order = [(n.meta["fxoverlap_step"].stage, n.meta["fxoverlap_step"].microbatch) for n in program.graph.nodes
+             if "fxoverlap_step" in n.meta and n.meta["fxoverlap_step"].stage]
+    for mb in range(3):
+        pos = {name: i for i, (name, m) in enumerate(order) if m == mb}
+        chain = ["bwd_l0_recompute", "bwd_l0_recompute_comm", "bwd_l0_recompute1", "bwd_l0_recompute_comm1",
+                 "bwd_l0_recompute2"]
+        assert [pos[c] for c in chain] == sorted(pos[c] for c in chain), (mb, [pos[c] for c in chain])
+        first_reader = min(pos[s.name] for s in stages if set(by["bwd_l0_recompute2"].outputs) & set(s.inputs))
+        assert pos["bwd_l0_recompute2"] < first_reader
+
+
+_replay_capture: list = []
+
+
+def _replay_stages():
+    model = _model("config")
+    tokens, labels = _batch()
+    cap = capture(model, (tokens, labels))
+    _replay_capture[:] = [cap]
+    config = fxoverlap.OverlapConfig(ac_replay_comm=True)
+    return build_stages(cap, config, "cpu")
 
 
 # ------------------------------------------------------------------ one rank
