@@ -66,6 +66,7 @@ Options: ``torch.compile(model, backend="fxoverlap", options={...})`` with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import warnings
@@ -374,13 +375,14 @@ class CompiledStep:
         self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
         self._graphs = GraphCache(config.cuda_graphs)
         graphs = self._graphs.get(program, stages, capture_, device)
-        self.runner = ProgramRunner(program, stages, capture_, device, grads=None,
-                                    comm_stream_priority=config.comm_stream_priority, cuda_graphs=graphs)
+        make_runner = functools.partial(ProgramRunner, program, stages, capture_, device, grads=None,
+                                        comm_stream_priority=config.comm_stream_priority)
+        self.runner = make_runner(cuda_graphs=graphs)
         # The program has one microbatch, so one copy of each graph: a forward that
         # starts while a graphed forward still awaits its backward (two losses summed
-        # before one backward) runs without graphs rather than overwrite it.
-        self._plain = self.runner if graphs is None else ProgramRunner(
-            program, stages, capture_, device, grads=None, comm_stream_priority=config.comm_stream_priority)
+        # before one backward) runs on a runner without graphs, made the first time,
+        # rather than overwrite it.
+        self._make_plain, self._plain = make_runner, None
         self._awaiting_backward: weakref.ref | None = None
         if graphs is not None:
             _graphed_steps.add(self)
@@ -414,9 +416,12 @@ class CompiledStep:
     def _run_forward(self, args) -> tuple[tuple, tuple[ProgramRunner, RunState]]:
         static = dict(self._buffers)
         static.update((ph, args[i]) for ph, i in self._static_src)
-        graphed = self.runner.cuda_graphs is not None
-        busy = self._awaiting_backward is not None and self._awaiting_backward() is not None
-        runner = self._plain if graphed and busy else self.runner
+        runner = self.runner
+        pending = self._awaiting_backward() if self._awaiting_backward is not None else None
+        if runner.cuda_graphs is not None and pending is not None:
+            if self._plain is None:
+                self._plain = self._make_plain()
+            runner = self._plain
         state = runner.start(static, [[args[i] for i in self._input_src]], tangents=[()])
         runner.execute(state, "forward")
         if runner.cuda_graphs is not None:

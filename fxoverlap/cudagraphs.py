@@ -255,7 +255,6 @@ class StageGraphs:
         the same graphed calls and the same reads of graphed stages' outputs (the last
         read is where a value dies, so its memory is reused from the same point on), and
         all graphed calls are on one stream."""
-        by_name = {s.name: s for s in stages}
         graphed = {s.name for s in stages if s.graphed}
         graph_values = {v for s in stages if s.graphed for v in s.outputs}
         seqs: dict[int, list[tuple]] = {}
@@ -265,7 +264,7 @@ class StageGraphs:
                 streams.add(step.stream)
                 seqs.setdefault(step.microbatch, []).append(("call", step.stage))
             elif reads := tuple(v for v in step.reads if v in graph_values):
-                what = step.stage if step.stage in by_name else getattr(node.target, "__name__", str(node.target))
+                what = step.stage or getattr(node.target, "__name__", str(node.target))
                 seqs.setdefault(step.microbatch, []).append((what, reads))
         one_stream = len(streams) <= 1
         shared = {}

@@ -19,7 +19,7 @@ stages' outputs like any other value (``fxoverlap.cudagraphs`` owns their memory
 
 Why the rule: a graph reads its inputs from fixed addresses, so each value an eager
 stage (an all-to-all) hands to a graphed one is copied in at every replay. Measured
-on one H200 (docs/benchmarks.md, 2026-12-01, run 3 of the second lease): with 4 and 16
+on one H200 (docs/benchmarks.md, 2026-12-01, run 2 of the second lease): with 4 and 16
 MiB copies graphs made the step 2.3–5.2× faster; at the peer's shape, 256 MiB copies,
 5–8 % slower. 64 MiB is the geometric middle of those two points.
 

@@ -12,7 +12,8 @@ added. A wait is left out when the consumer's stream already waited on a later
 event of the same producer stream (stream order makes it redundant). The program
 starts with the comm stream waiting for the compute stream (inputs and
 parameters were written there) and ends with the compute stream waiting for the
-comm stream; a program with nothing on the comm stream gets no event at all. Which stream a node runs on is the Step's, decided by ``split``.
+comm stream; a program with nothing on the comm stream gets no event at all. Which
+stream a node runs on is the Step's, decided by ``split``.
 
 Steps
 -----
