@@ -23,7 +23,9 @@
   replayed (``OverlapConfig(ac_replay_comm=True)``): fxoverlap's peak
   ``max_memory_allocated`` against eager with the same AC (target <= 1.10), both against no AC, what the program keeps that
   eager does not (the all-to-all outputs, per microbatch), and each side's step time with
-  and without AC (the cost of the replay). Any number of ranks; one GPU is enough:
+  and without AC (the cost of the replay); the same for ``torch.compile(backend="fxoverlap")``
+  in a per-microbatch loop. One row per AC setting as it finishes, then the summary.
+  Any number of ranks; one GPU is enough:
   ``torchrun --nproc-per-node 1 scripts/gpu_checks.py --checks ac``.
 * symm_mem_smoke: the symm_mem transport op by op against ``padded`` (dispatch, combine,
   their backward calls, token-once, more calls than there are buffers); one rank is
@@ -363,49 +365,56 @@ def check_ac(device, emit):
         model = _model(cfg, device, torch.bfloat16)
         batches = _batches(cfg, n, mbs, seq, device)
         engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(ac_replay_comm=ac == "replay"))
+        # the torch.compile backend with the same AC (one microbatch per call, as a user's loop)
+        compiled = torch.compile(model, backend="fxoverlap", options={"ac_replay_comm": True} if ac == "replay" else None)
 
-        def eager_step():
+        def loop(fn):
             losses = []
             for b in batches:
-                loss = model(*b)
+                loss = fn(*b)
                 loss.backward()
                 losses.append(loss.detach().float())
             return losses
 
-        def fx_step():
-            return [x.float() for x in engine.forward_backward(batches)]
-
-        times = {}
-        for name, step in (("eager", eager_step), ("fx", fx_step)):
-            times[name] = _step_time(step)
+        steps = {"eager": lambda: loop(model), "fx": lambda: [x.float() for x in engine.forward_backward(batches)],
+                 "backend": lambda: loop(compiled)}
+        row: dict = {}
+        for name, step in steps.items():
+            row[f"{name}_ms"] = 1e3 * _step_time(step)
             model.zero_grad(set_to_none=True)
-        peak_e, base = _peak(eager_step)
+            peak, base = _peak(step)
+            row[f"{name}_GiB"], row[f"{name}_base_GiB"] = peak / 2**30, base / 2**30
+            model.zero_grad(set_to_none=True)
+        ref = loop(model)
         model.zero_grad(set_to_none=True)
-        peak_f, _ = _peak(fx_step)
-        model.zero_grad(set_to_none=True)
-        loss_rel = max(float((a - b).abs() / b.abs()) for a, b in zip(fx_step(), eager_step()))
-        model.zero_grad(set_to_none=True)
+        for name in ("fx", "backend"):
+            row[f"{name}_loss_rel_diff"] = max(float((a - b).abs() / b.abs()) for a, b in zip(steps[name](), ref))
+            model.zero_grad(set_to_none=True)
         # what fxoverlap keeps and eager (which communicates again in its replay) does not:
         # each MoE layer's dispatch and combine outputs, tokens x top_k rows of dim each
         rows_routed = mbs * seq * cfg.top_k * dist.get_world_size()  # dropless: on average per rank
         alltoall = sum(p == "moe" for p in cfg.pattern) * 2 * rows_routed * cfg.dim * 2 // dist.get_world_size()
-        rows[ac] = dict(eager_GiB=peak_e / 2**30, fx_GiB=peak_f / 2**30, base_GiB=base / 2**30,
-                        eager_ms=1e3 * times["eager"], fx_ms=1e3 * times["fx"], loss_rel_diff=loss_rel,
-                        recompute_stages=sum(s.kind.value.startswith("recompute") for s in engine.stages),
-                        alltoall_outputs_GiB_per_microbatch=alltoall / 2**30)
+        row.update(recompute_stages=sum(s.kind.value.startswith("recompute") for s in engine.stages),
+                   alltoall_outputs_GiB_per_microbatch=alltoall / 2**30)
+        rows[ac] = row
+        emit(dict(check="activation_checkpointing_row", ac=str(ac), **row))
         engine.close()
-        del engine, model
+        fxoverlap.backend.reset()
+        torch._dynamo.reset()
+        del engine, model, compiled
         torch.cuda.empty_cache()
     off, on, replay = rows[False], rows[True], rows["replay"]
     emit(dict(check="activation_checkpointing", shape="peer", microbatches=n, micro_batch_size=mbs, seq=seq,
               ranks=dist.get_world_size(), off=off, on=on, replay=replay,
               ratio_fx_vs_eager_with_ac=on["fx_GiB"] / on["eager_GiB"],
               ratio_fx_replay_vs_eager_with_ac=replay["fx_GiB"] / replay["eager_GiB"],
+              ratio_backend_vs_eager_with_ac=on["backend_GiB"] / on["eager_GiB"],
+              ratio_backend_replay_vs_eager_with_ac=replay["backend_GiB"] / replay["eager_GiB"],
               fx_replay_comm_cost=replay["fx_ms"] / off["fx_ms"],
               eager_ac_saving_GiB=off["eager_GiB"] - on["eager_GiB"], fx_ac_saving_GiB=off["fx_GiB"] - on["fx_GiB"],
               eager_replay_cost=on["eager_ms"] / off["eager_ms"], fx_replay_cost=on["fx_ms"] / off["fx_ms"],
               ok=min(on["fx_GiB"], replay["fx_GiB"]) <= 1.10 * on["eager_GiB"] and on["recompute_stages"] > 0
-              and max(on["loss_rel_diff"], replay["loss_rel_diff"]) < 2**-6))
+              and max(on["fx_loss_rel_diff"], replay["fx_loss_rel_diff"]) < 2**-6))
 
 
 def main() -> None:
