@@ -83,7 +83,7 @@ from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.meta import CHECKPOINT_KEY, CHILD_KEY, LAYER_KEY
 from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
 from fxoverlap.pipeline import build_program, build_stages
-from fxoverlap.runtime import ProgramRunner, RunState
+from fxoverlap.runtime import ProgramRunner
 from fxoverlap.stage import Stage
 
 __all__ = [
@@ -344,25 +344,69 @@ class _GraphStep(nn.Module):
 # ------------------------------------------------------------------ the compiled artefact
 
 
+class _Run:
+    """One call of a :class:`CompiledStep`: its runner and state, and which backward
+    segment runs next (autograd runs them in order, each from its own node)."""
+
+    __slots__ = ("step", "runner", "state", "next_segment")
+
+    def __init__(self, step: CompiledStep):
+        self.step, self.runner, self.state, self.next_segment = step, None, None, 0
+
+    def backward_segment(self, k: int, grad_outputs) -> dict[int, torch.Tensor]:
+        """Run backward segment ``k``; the gradients it hands out, by graph input index."""
+        if self.state is None or self.next_segment != k:
+            raise RuntimeError(
+                "fxoverlap backend: backward through a compiled step ran twice (retain_graph=True); "
+                "the step's saved values are freed by its first backward"
+            )
+        self.next_segment = k + 1
+        grads = self.step._run_backward(self, k, grad_outputs)
+        if self.next_segment == len(self.step._segments):
+            self.state.stores.clear()
+            self.state = None
+        return grads
+
+
+def _token(device: torch.device, requires_grad: bool = False) -> torch.Tensor:
+    return torch.empty(0, device=device, requires_grad=requires_grad)  # no storage: it only orders nodes
+
+
 class _StepFunction(torch.autograd.Function):
+    """The program's forward; its backward runs the backward's first segment."""
+
     @staticmethod
-    def forward(ctx, step: CompiledStep, *args):
-        outs, state = step._run_forward(args)
-        ctx.step, ctx.state = step, state  # state: (runner, RunState)
-        ctx.mark_non_differentiable(*(o for o, d in zip(outs, step._differentiable) if not d))
+    def forward(ctx, run: _Run, token: torch.Tensor | None, *args):
+        outs = run.step._run_forward(run, args)
+        ctx.run, ctx.token = run, None if token is None else token.device
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, run.step._differentiable) if not d))
         return outs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
-        state, ctx.state = ctx.state, None
-        if state is None:
-            raise RuntimeError(
-                "fxoverlap backend: backward through a compiled step ran twice (retain_graph=True); "
-                "the step's saved values are freed by its first backward"
-            )
-        grads = ctx.step._run_backward(state, grad_outputs, ctx.needs_input_grad[1:])
-        return (None, *grads)
+        got = ctx.run.backward_segment(0, grad_outputs)
+        grads = [got.get(i) if need else None for i, need in enumerate(ctx.needs_input_grad[2:])]
+        return (None, None if ctx.token is None else _token(ctx.token), *grads)
+
+
+class _GradSegment(torch.autograd.Function):
+    """Backward segment ``k`` > 0 of a call, returning the gradients of ``inputs``.
+    Autograd runs it after segment ``k - 1`` (whose input is its token) and after the
+    ``AccumulateGrad`` nodes of what segment ``k - 1`` returned (autograd runs those
+    first), so each gradient is accumulated into ``p.grad``, and freed, once final."""
+
+    @staticmethod
+    def forward(ctx, run: _Run, k: int, order: tuple[int, ...], token: torch.Tensor, *inputs):
+        ctx.run, ctx.k, ctx.order, ctx.device = run, k, order, token.device
+        return _token(token.device)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _token_grad):
+        got = ctx.run.backward_segment(ctx.k, None)
+        grads = [got.get(i) if need else None for i, need in zip(ctx.order, ctx.needs_input_grad[4:])]
+        return (None, None, None, _token(ctx.device), *grads)
 
 
 class CompiledStep:
@@ -392,6 +436,12 @@ class CompiledStep:
         self._buffers = {ph: wrapper.get_buffer(fqn) for ph, fqn in capture_.buffer_placeholders.items()}
         self._input_src = list(wrapper.plain_index)
         self._grad_of = {index_of[fqn]: v for v, fqn in capture_.grads.items() if fqn in index_of}
+        # the backward in segments, each ending where gradients are handed out: autograd
+        # then accumulates each gradient as soon as it is final (as eager's backward does),
+        # rather than every gradient of the step at once at its end (as AOTAutograd's)
+        input_of = {v: i for i, v in self._grad_of.items()}
+        self._segments = [(span, tuple(input_of[v] for v in values if v in input_of))
+                          for span, values in self.runner.grad_segments()]
         seeded = set(capture_.tangents.values())
         self._differentiable = [o in seeded for o in capture_.outputs]
         self._tangent_pos = [capture_.outputs.index(o) for o in capture_.tangents.values()]
@@ -404,8 +454,19 @@ class CompiledStep:
     def __call__(self, *args):
         if not torch.is_grad_enabled():
             return self.gm(*args)
-        outs = _StepFunction.apply(self, *args)
+        run, token = _Run(self), None
+        if len(self._segments) > 1:
+            # a leaf that requires grad starts the chain, so every segment runs in the
+            # backward, whether or not its own inputs need gradients
+            token = _token(self._segments_device(args), requires_grad=True)
+            for k in range(len(self._segments) - 1, 0, -1):
+                order = self._segments[k][1]
+                token = _GradSegment.apply(run, k, order, token, *(args[i] for i in order))
+        outs = _StepFunction.apply(run, token, *args)
         return outs if isinstance(outs, tuple) else (outs,)
+
+    def _segments_device(self, args) -> torch.device:
+        return next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
     def close(self) -> None:
         """Release this step's CUDA graphs; later calls run without them."""
@@ -413,7 +474,7 @@ class CompiledStep:
         self._graphs.enabled = False
         self.runner.cuda_graphs = None
 
-    def _run_forward(self, args) -> tuple[tuple, tuple[ProgramRunner, RunState]]:
+    def _run_forward(self, run: _Run, args) -> tuple:
         static = dict(self._buffers)
         static.update((ph, args[i]) for ph, i in self._static_src)
         runner = self.runner
@@ -426,21 +487,20 @@ class CompiledStep:
         runner.execute(state, "forward")
         if runner.cuda_graphs is not None:
             self._awaiting_backward = weakref.ref(state)
+        run.runner, run.state = runner, state
         outs = state.outputs[0]
-        return tuple(outs.pop(o) for o in self.capture.outputs), (runner, state)
+        return tuple(outs.pop(o) for o in self.capture.outputs)
 
-    def _run_backward(self, run: tuple[ProgramRunner, RunState], grad_outputs, needs_grad) -> list:
-        runner, state = run
-        if self._awaiting_backward is not None and self._awaiting_backward() is state:
-            self._awaiting_backward = None
-        runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
-        runner.execute(state, "backward")
-        grads = [None] * len(needs_grad)
-        for i, v in self._grad_of.items():
-            if needs_grad[i]:
-                grads[i] = state.outputs[0].get(v)
-        state.stores.clear()
-        return grads
+    def _run_backward(self, run: _Run, k: int, grad_outputs) -> dict[int, torch.Tensor]:
+        runner, state = run.runner, run.state
+        if k == 0:
+            if self._awaiting_backward is not None and self._awaiting_backward() is state:
+                self._awaiting_backward = None
+            runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
+        span, inputs = self._segments[k]
+        runner.execute(state, span)
+        handed = state.outputs[0]
+        return {i: handed.pop(self._grad_of[i], None) for i in inputs}
 
 
 # ------------------------------------------------------------------ the backend

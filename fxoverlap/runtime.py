@@ -221,17 +221,20 @@ class ProgramRunner:
     def set_tangents(self, state: RunState, microbatch: int, tangents: Sequence[torch.Tensor]) -> None:
         state.stores[microbatch].update(zip(self.capture.tangents, tangents))
 
-    def execute(self, state: RunState, part: str = "all", on_error: Callable | None = None) -> None:
-        """Run ``"all"`` of the program, or its ``"forward"`` / ``"backward"`` part (one
-        microbatch, as the torch.compile backend runs it from an autograd.Function)."""
+    def execute(self, state: RunState, part: str | tuple[int, int] = "all", on_error: Callable | None = None) -> None:
+        """Run ``"all"`` of the program, its ``"forward"`` / ``"backward"`` part (one
+        microbatch, as the torch.compile backend runs it from an autograd.Function), or
+        the span ``(lo, hi)`` of it that one of :meth:`grad_segments` names."""
         split = len(self._bound) if self.backward_start is None else self.backward_start
-        lo, hi = {"all": (0, len(self._bound)), "forward": (0, split), "backward": (split, len(self._bound))}[part]
+        spans = {"all": (0, len(self._bound)), "forward": (0, split), "backward": (split, len(self._bound))}
+        lo, hi = spans[part] if isinstance(part, str) else part
         self._on_error = on_error
         if self.streams:
             # the compute stream is the caller's current one (autograd may run a backward
             # on another stream than the forward's)
             self.streams[StreamKind.COMP] = torch.cuda.current_stream(self.device)
-            if part == "backward":
+            if part == "backward" or (not isinstance(part, str) and lo == split):
+                # the backward starts: its comm work follows what came before it
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
         self._state = state
         try:
@@ -248,8 +251,28 @@ class ProgramRunner:
             self._state = None
         if self.streams and part == "forward":
             self.streams[StreamKind.COMP].wait_stream(self.streams[StreamKind.COMM])
-        if part != "forward" and self.record_memory:
+        if part != "forward" and hi == len(self._bound) and self.record_memory:
             state.memory_trace.append(("end", -1, live_bytes(state.stores, state.static_keys)))
+
+    def grad_segments(self) -> list[tuple[tuple[int, int], tuple[str, ...]]]:
+        """The backward part cut right after each node that hands out gradients: per
+        segment, its span for :meth:`execute` and the gradient values it hands out. A
+        caller that returns gradients to autograd segment by segment lets autograd
+        accumulate (and free) them as the backward goes, not all at its end."""
+        split = len(self._bound) if self.backward_start is None else self.backward_start
+        out, lo = [], split
+        for i in range(split, len(self._bound)):
+            fn, args = self._bound[i]
+            if fn == self.accumulate:
+                out.append(((lo, i + 1), tuple(args[1:])))
+                lo = i + 1
+        if lo < len(self._bound) or not out:
+            if out:  # what follows the last hand-out (frees, events) closes the last segment
+                (start, _), values = out.pop()
+                out.append(((start, len(self._bound)), values))
+            else:
+                out.append(((lo, len(self._bound)), ()))
+        return out
 
     def run(self, static: dict[str, torch.Tensor], microbatches: Sequence[Sequence[torch.Tensor]],
             on_error: Callable | None = None) -> RunState:

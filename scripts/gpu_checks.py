@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -292,6 +293,7 @@ def check_row_sum(device, emit):
 
 
 def _peak(fn):
+    gc.collect()  # a model of an earlier check that waits in a reference cycle would count in the base
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -367,6 +369,7 @@ def check_ac(device, emit):
         engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(ac_replay_comm=ac == "replay"))
         # the torch.compile backend with the same AC (one microbatch per call, as a user's loop)
         compiled = torch.compile(model, backend="fxoverlap", options={"ac_replay_comm": True} if ac == "replay" else None)
+        inductor = torch.compile(model)  # the baseline: plain torch.compile with the same AC (once per AC)
 
         def loop(fn):
             losses = []
@@ -377,7 +380,9 @@ def check_ac(device, emit):
             return losses
 
         steps = {"eager": lambda: loop(model), "fx": lambda: [x.float() for x in engine.forward_backward(batches)],
-                 "backend": lambda: loop(compiled)}
+                 "backend": lambda: loop(compiled), "compile": lambda: loop(inductor)}
+        if ac == "replay":  # the replay is fxoverlap's option: the model, hence compile's run, is the "on" one
+            del steps["compile"]
         row: dict = {}
         for name, step in steps.items():
             row[f"{name}_ms"] = 1e3 * _step_time(step)
@@ -387,7 +392,7 @@ def check_ac(device, emit):
             model.zero_grad(set_to_none=True)
         ref = loop(model)
         model.zero_grad(set_to_none=True)
-        for name in ("fx", "backend"):
+        for name in set(steps) - {"eager"}:
             row[f"{name}_loss_rel_diff"] = max(float((a - b).abs() / b.abs()) for a, b in zip(steps[name](), ref))
             model.zero_grad(set_to_none=True)
         # what fxoverlap keeps and eager (which communicates again in its replay) does not:
@@ -401,7 +406,8 @@ def check_ac(device, emit):
         engine.close()
         fxoverlap.backend.reset()
         torch._dynamo.reset()
-        del engine, model, compiled
+        del engine, model, compiled, inductor, steps
+        gc.collect()
         torch.cuda.empty_cache()
     off, on, replay = rows[False], rows[True], rows["replay"]
     emit(dict(check="activation_checkpointing", shape="peer", microbatches=n, micro_batch_size=mbs, seq=seq,
@@ -410,6 +416,7 @@ def check_ac(device, emit):
               ratio_fx_replay_vs_eager_with_ac=replay["fx_GiB"] / replay["eager_GiB"],
               ratio_backend_vs_eager_with_ac=on["backend_GiB"] / on["eager_GiB"],
               ratio_backend_replay_vs_eager_with_ac=replay["backend_GiB"] / replay["eager_GiB"],
+              ratio_compile_vs_eager_with_ac=on["compile_GiB"] / on["eager_GiB"],
               fx_replay_comm_cost=replay["fx_ms"] / off["fx_ms"],
               eager_ac_saving_GiB=off["eager_GiB"] - on["eager_GiB"], fx_ac_saving_GiB=off["fx_GiB"] - on["fx_GiB"],
               eager_replay_cost=on["eager_ms"] / off["eager_ms"], fx_replay_cost=on["fx_ms"] / off["fx_ms"],

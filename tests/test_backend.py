@@ -245,6 +245,70 @@ def test_gradients_that_are_the_tangent():
     assert fxb.last_compiled() is not None
 
 
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The matmuls the backward runs, and (from hooks) each gradient's accumulation, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+            self.events.append("mm")
+        return func(*args, **(kwargs or {}))
+
+
+def test_gradients_accumulate_as_the_backward_goes():
+    """The backend returns each gradient to autograd as soon as it is final (the backward
+    in segments), so ``p.grad`` fills during the backward as in eager, not all at once
+    at its end (AOTAutograd's way, which holds a whole set of new gradients beside the
+    accumulated ones); gradients stay bitwise over accumulating steps, hooks fire once each."""
+    cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
+    res = _compare(_moe(cfg, None), cfg.vocab_size, rank=0)
+    _check("segments", res, bitwise=True)
+    step = fxb.last_compiled()
+    assert len(step._segments) > 2 * cfg.n_layers, step._segments
+    torch.manual_seed(0)
+    model = MoETransformer(cfg, None)
+    torch._dynamo.reset()
+    fxb.reset()
+    compiled = torch.compile(model, backend="fxoverlap")
+    log = _OpLog()
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: log.events.append(name))
+    loss = compiled(*_batch(0, 0, cfg.vocab_size))
+    with log:
+        loss.backward()
+    names = [e for e in log.events if e != "mm"]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters()), names  # each once
+    first = log.events.index(names[0])
+    assert "mm" in log.events[first:], "every gradient was accumulated after the whole backward"
+    assert names.index("output.weight") < names.index("layers.0.attention.wq.weight") < names.index("tok_embeddings.weight")
+
+
+def test_autograd_grad_through_segments():
+    """``torch.autograd.grad`` gets eager's gradients and leaves ``.grad`` alone; asking for
+    one late gradient runs only the segments it needs, and the next step still works."""
+    cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
+    torch.manual_seed(0)
+    eager = MoETransformer(cfg, None)
+    torch.manual_seed(0)
+    model = MoETransformer(cfg, None)
+    torch._dynamo.reset()
+    fxb.reset()
+    compiled = torch.compile(model, backend="fxoverlap")
+    batch = _batch(0, 0, cfg.vocab_size)
+    params, ref_params = list(model.parameters()), list(eager.parameters())
+    got = torch.autograd.grad(compiled(*batch), params)
+    ref = torch.autograd.grad(eager(*batch), ref_params)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert all(p.grad is None for p in params)
+    (head,) = torch.autograd.grad(compiled(*batch), [model.output.weight])
+    assert torch.equal(head, ref[[n for n, _ in eager.named_parameters()].index("output.weight")])
+    compiled(*batch).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, ref))
+
+
 def test_no_grad_runs_plain_graph():
     cfg = MoEConfig.tiny(n_layers=1)
     torch.manual_seed(0)
