@@ -32,6 +32,9 @@ CHECKPOINT_KEY = "fxoverlap_checkpoint"
 TAG_KEY = "fxoverlap_tag"
 RECOMPUTE_LAYERS_KEY = "fxoverlap_recompute_layers"
 
+# ---- joint-graph metadata (GraphModule.meta) written by the passes
+SAVED_COMM_KEY = "fxoverlap_saved_comm_layers"  # recompute: layers whose checkpointed all-to-alls stay saved
+
 # ---- program node metadata
 STEP_KEY = "fxoverlap_step"
 

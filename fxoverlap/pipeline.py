@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from fxoverlap.config import OverlapConfig
+from fxoverlap.meta import SAVED_COMM_KEY
 from fxoverlap.passes.capture import Capture
 from fxoverlap.passes.cudagraph import cudagraph
 from fxoverlap.passes.dispatcher import dispatcher
@@ -47,6 +48,10 @@ def build_stages(capture: Capture, config: OverlapConfig, device_type: str, trai
         gm = side(gm)
     if train:  # activation checkpointing, and mHC with mhc_recompute_group
         gm = recompute(gm, capture.num_layers, config.mhc_recompute_group, replay_comm=config.ac_replay_comm)
+        if (layers := gm.meta.get(SAVED_COMM_KEY)) and config.progress:
+            _progress(f"fxoverlap: activation checkpointing keeps the all-to-all outputs of layers "
+                      f"{', '.join(map(str, layers))} for the backward, where eager's checkpoint exchanges "
+                      f"them again; OverlapConfig(ac_replay_comm=True) replays them (less memory, more comm)")
     stages = split(gm, capture.num_layers, delay_wgrad=config.delay_wgrad and train)
     if config.cuda_graphs or (config.cuda_graphs is None and device_type == "cuda"):
         cudagraph(stages, config.cuda_graphs)

@@ -41,7 +41,9 @@ a compute node one more than an all-to-all it reads, so the stages
 does not replay: values outside the regions, parameters, saved nodes, and values of
 other groups (a group's input, e.g. the layer input a checkpoint keeps, stays saved).
 Backward readers outside the group (the next layer's, the head's) keep reading the
-saved original. The schedule places the recompute stage right before the first stage
+saved original. ``gm.meta[SAVED_COMM_KEY]`` lists the layers whose checkpointed
+all-to-all outputs the backward reads saved (empty with ``replay_comm``), so the caller can
+say what the default keeps that eager's checkpoint would exchange again. The schedule places the recompute stage right before the first stage
 that reads it, on the compute stream. The originals then die in the forward
 and the free pass drops them there. Recomputed values are bitwise the saved ones: the
 same ops on the same inputs. A graph with no region comes back unchanged.
@@ -65,7 +67,8 @@ import operator
 import torch
 import torch.fx
 
-from fxoverlap.meta import CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, TAG_KEY, custom, is_host_sync, op_name
+from fxoverlap.meta import (CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, SAVED_COMM_KEY, TAG_KEY, custom, is_host_sync,
+                            op_name)
 from fxoverlap.stage import COMM_KINDS, Direction, StageKind, Tag
 
 
@@ -157,6 +160,7 @@ def recompute(gm: torch.fx.GraphModule, num_layers: int, mhc_group: int | None =
         )
     bwd = [n for n in graph.nodes if (t := n.meta.get(TAG_KEY)) is not None and t.direction is Direction.BWD]
     if not region or not bwd:
+        gm.meta[SAVED_COMM_KEY] = []
         return gm
     group_of = _groups(region, num_layers, mhc_group)
     layers_of: dict[int, tuple[int, ...]] = {}
@@ -205,6 +209,12 @@ def recompute(gm: torch.fx.GraphModule, num_layers: int, mhc_group: int | None =
             "recompute: no backward node reads an mHC activation of its own layer group; nothing to "
             f"recompute (first mHC node: {first.name} ({op_name(first)}))"
         )
+    gm.meta[SAVED_COMM_KEY] = sorted({
+        t.layer for n in graph.nodes
+        if (t := n.meta.get(TAG_KEY)) is not None and t.direction is Direction.FWD and t.kind in COMM_KINDS
+        and CHECKPOINT_KEY in custom(n) and any(u.meta[TAG_KEY].direction is Direction.BWD for u in n.users
+                                               if TAG_KEY in u.meta)
+    })
     graph.lint()
     gm.recompile()
     return gm

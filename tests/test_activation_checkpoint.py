@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 import ac_cases
 import fxoverlap
 import fxoverlap.backend as fxb
+from fxoverlap.meta import SAVED_COMM_KEY
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.passes.capture import CaptureError
@@ -121,6 +122,19 @@ def test_replayed_all_to_alls_run_on_the_comm_stream_before_their_readers():
         assert [pos[c] for c in chain] == sorted(pos[c] for c in chain), (mb, [pos[c] for c in chain])
         first_reader = min(pos[s.name] for s in stages if set(by["bwd_l0_recompute2"].outputs) & set(s.inputs))
         assert pos["bwd_l0_recompute2"] < first_reader
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_saved_all_to_alls_are_named(replay, capsys):
+    """By default the compile says which layers keep their checkpointed all-to-all outputs,
+    and how to replay them instead; with the replay, it has nothing to say."""
+    build_stages(capture(_model("config"), _batch()), fxoverlap.OverlapConfig(ac_replay_comm=replay), "cpu")
+    err = capsys.readouterr().err
+    assert ("keeps the all-to-all outputs of layers 0 for the backward" in err) is not replay, err
+    gm = recompute(tag(capture(_model("config"), _batch())), CFG.n_layers, replay_comm=replay)
+    assert gm.meta[SAVED_COMM_KEY] == ([] if replay else [0])
+    plain = recompute(tag(capture(_model("none"), _batch())), CFG.n_layers)
+    assert plain.meta[SAVED_COMM_KEY] == []
 
 
 _replay_capture: list = []
