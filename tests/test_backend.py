@@ -258,11 +258,12 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_gradients_accumulate_as_the_backward_goes():
+def test_gradients_accumulate_as_the_backward_goes(monkeypatch):
     """The backend returns each gradient to autograd as soon as it is final (the backward
     in segments), so ``p.grad`` fills during the backward as in eager, not all at once
     at its end (AOTAutograd's way, which holds a whole set of new gradients beside the
     accumulated ones); gradients stay bitwise over accumulating steps, hooks fire once each."""
+    monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", 0)  # a segment per hand-out: the tiny model's are small
     cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
     res = _compare(_moe(cfg, None), cfg.vocab_size, rank=0)
     _check("segments", res, bitwise=True)
@@ -286,9 +287,18 @@ def test_gradients_accumulate_as_the_backward_goes():
     assert names.index("output.weight") < names.index("layers.0.attention.wq.weight") < names.index("tok_embeddings.weight")
 
 
-def test_autograd_grad_through_segments():
+def test_segments_are_merged_to_a_minimum_of_gradient_bytes():
+    segs = [((10, 12), (0,)), ((12, 15), (1, 2)), ((15, 16), ()), ((16, 20), (3,)), ((20, 22), (4,))]
+    nbytes = {0: 40, 1: 30, 2: 50, 3: 100, 4: 1}
+    assert fxb.merge_segments(segs, nbytes, 100) == [((10, 15), (0, 1, 2)), ((15, 20), (3,)), ((20, 22), (4,))]
+    assert fxb.merge_segments(segs, nbytes, 0) == segs
+    assert fxb.merge_segments(segs, nbytes, 10**9) == [((10, 22), (0, 1, 2, 3, 4))]
+
+
+def test_autograd_grad_through_segments(monkeypatch):
     """``torch.autograd.grad`` gets eager's gradients and leaves ``.grad`` alone; asking for
     one late gradient runs only the segments it needs, and the next step still works."""
+    monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", 0)
     cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
     torch.manual_seed(0)
     eager = MoETransformer(cfg, None)
