@@ -384,7 +384,7 @@ class _StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: _Run, token: torch.Tensor | None, *args):
         outs = run.step._run_forward(run, args)
-        ctx.run, ctx.token = run, None if token is None else token.device
+        ctx.run, ctx.token_device = run, None if token is None else token.device
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, run.step._differentiable) if not d))
         return outs
 
@@ -393,7 +393,7 @@ class _StepFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         got = ctx.run.backward_segment(0, grad_outputs)
         grads = [got.get(i) if need else None for i, need in enumerate(ctx.needs_input_grad[2:])]
-        return (None, None if ctx.token is None else _token(ctx.token), *grads)
+        return (None, None if ctx.token_device is None else _token(ctx.token_device), *grads)
 
 
 class _GradSegment(torch.autograd.Function):
@@ -490,15 +490,17 @@ class CompiledStep:
         if len(self._segments) > 1:
             # a leaf that requires grad starts the chain, so every segment runs in the
             # backward, whether or not its own inputs need gradients
-            token = _token(self._segments_device(args), requires_grad=True)
+            token = _token(self._token_device(args), requires_grad=True)
             for k in range(len(self._segments) - 1, 0, -1):
                 order = self._segments[k][1]
                 token = _GradSegment.apply(run, k, order, token, *(args[i] for i in order))
         outs = _StepFunction.apply(run, token, *args)
         return outs if isinstance(outs, tuple) else (outs,)
 
-    def _segments_device(self, args) -> torch.device:
-        return next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    def _token_device(self, args) -> torch.device:
+        # the parameters' device: autograd then runs the chain on the thread that runs
+        # their AccumulateGrad nodes, in priority order
+        return next((args[i].device for i in self._grad_of), torch.device("cpu"))
 
     def close(self) -> None:
         """Release this step's CUDA graphs; later calls run without them."""

@@ -266,12 +266,10 @@ class ProgramRunner:
             if fn == self.accumulate:
                 out.append(((lo, i + 1), tuple(args[1:])))
                 lo = i + 1
-        if lo < len(self._bound) or not out:
-            if out:  # what follows the last hand-out (frees, events) closes the last segment
-                (start, _), values = out.pop()
-                out.append(((start, len(self._bound)), values))
-            else:
-                out.append(((lo, len(self._bound)), ()))
+        if not out:
+            return [((split, len(self._bound)), ())]
+        (start, _), values = out[-1]  # what follows the last hand-out (frees, events) closes it
+        out[-1] = ((start, len(self._bound)), values)
         return out
 
     def run(self, static: dict[str, torch.Tensor], microbatches: Sequence[Sequence[torch.Tensor]],

@@ -42,9 +42,10 @@ does not replay: values outside the regions, parameters, saved nodes, and values
 other groups (a group's input, e.g. the layer input a checkpoint keeps, stays saved).
 Backward readers outside the group (the next layer's, the head's) keep reading the
 saved original. ``gm.meta[SAVED_COMM_KEY]`` lists the layers whose checkpointed
-all-to-all outputs the backward reads saved (empty with ``replay_comm``), so the caller can
-say what the default keeps that eager's checkpoint would exchange again. The schedule places the recompute stage right before the first stage
-that reads it, on the compute stream. The originals then die in the forward
+all-to-all outputs the backward reads saved (empty with ``replay_comm``), so the caller
+can say what the default keeps that eager's checkpoint would exchange again. The
+schedule places the recompute stage right before the first stage that reads it, on the
+compute stream. The originals then die in the forward
 and the free pass drops them there. Recomputed values are bitwise the saved ones: the
 same ops on the same inputs. A graph with no region comes back unchanged.
 
