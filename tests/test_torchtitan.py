@@ -45,6 +45,20 @@ def test_one_rank(family):
     assert r["comm_stages"] == {} and r["dtensor_grads"] == []
 
 
+def test_one_rank_through_the_backend(monkeypatch):
+    """torch.compile(model, backend="fxoverlap") on torchtitan's Qwen3-MoE as shipped: no
+    fallback, bitwise losses, gradients and load-balance counters over accumulating
+    microbatches, with the backward in one segment per gradient hand-out."""
+    import fxoverlap.backend as fxb
+
+    monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", 0)
+    r = titan_real.backend_vs_eager("qwen3_moe", n=N)
+    _check_exact(r, "qwen3_moe")
+    assert r["segments"] > 2, r["segments"]
+    assert [name for name, *_ in r["stages"] if name.startswith("fwd_l")] == [
+        "fwd_l0_attn", "fwd_l0_mlp", "fwd_l1_attn", "fwd_l1_mlp"]
+
+
 def test_one_rank_activation_checkpointing():
     """torchtitan's FullAC: each checkpointed layer is replayed by a recompute stage, the numerics
     are eager's, and each token is counted once, where eager's replay counts it twice

@@ -185,6 +185,31 @@ def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: boo
                 eager_counted={k: float(_local(b).sum()) for k, b in eager.named_buffers() if "tokens_per_expert" in k})
 
 
+def backend_vs_eager(family: str, n: int) -> dict:
+    """``torch.compile(model, backend="fxoverlap")`` with ``loss.backward()`` per microbatch vs
+    eager on a twin (one rank), with the backward cut into a segment per gradient hand-out."""
+    import warnings
+
+    import fxoverlap.backend as fxb
+
+    eager, model = build(family), build(family)
+    torch._dynamo.reset()
+    fxb.reset()
+    compiled = torch.compile(model, backend="fxoverlap")
+    losses_equal = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxb.FallbackWarning)
+        for mb in batches(0, n):
+            ref = next_token_loss(eager(*mb), *mb)
+            ref.backward()
+            loss = next_token_loss(compiled(*mb), *mb)
+            loss.backward()
+            losses_equal.append(torch.equal(loss, ref))
+    step = fxb.last_compiled()
+    return dict(losses_equal=losses_equal, **compare(model, eager), segments=len(step._segments),
+                stages=[(s.name, str(s.kind), str(s.stream)) for s in step.stages])
+
+
 def fsdp_error(world: int) -> str:
     """What optimize says about a model with FSDP2-wrapped modules."""
     from torch.distributed.device_mesh import init_device_mesh
