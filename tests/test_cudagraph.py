@@ -506,12 +506,17 @@ def test_auto_graphs_unless_a_graph_copies_in_a_large_value(monkeypatch, caplog)
     assert not any(s.graphed for s in stages)
 
 
-def test_backend_replays_graphs_and_never_overwrites_a_pending_backward(fake_cuda):
+@pytest.mark.parametrize("segment_bytes", [None, 0], ids=["default", "segment_per_hand_out"])
+def test_backend_replays_graphs_and_never_overwrites_a_pending_backward(fake_cuda, monkeypatch, segment_bytes):
     """``torch.compile(model, backend="fxoverlap", mode="reduce-overhead")``: the backend's
     one-microbatch program runs as graphs (one copy each), bitwise equal to eager over
     steps. Two forwards before one backward (summed losses) must not let the second
-    overwrite the first's saved activations: the second runs without graphs."""
+    overwrite the first's saved activations: the second runs without graphs. Also with the
+    backward cut at every gradient hand-out (two calls' segment chains in one backward)."""
     import fxoverlap.backend as fxb
+
+    if segment_bytes is not None:
+        monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", segment_bytes)
 
     mbs = _batches(3, 256, seed=21)
     model = _model("capacity")
@@ -528,6 +533,7 @@ def test_backend_replays_graphs_and_never_overwrites_a_pending_backward(fake_cud
         assert all(torch.equal(got[k], want[k]) for k in want)
     (sg,) = fake_cuda.made
     assert sg.copies == 1 and sg.summary()["graphs"] == len(fake_cuda.graphs) > 0
+    assert (len(fxb.last_compiled()._segments) > 2) is (segment_bytes == 0)
     replays = sum(e[0] == "replay" for e in fake_cuda.log)
     # summed losses of two forwards, one backward: gradients equal eager's sum
     (t0, l0), (t1, l1) = mbs[0], mbs[1]
