@@ -126,6 +126,34 @@ def test_one_rank_without_group_matches_model():
     assert fxoverlap.expert_parallel(model, None).model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_one_rank_through_the_backend(family):
+    """torch.compile(model, backend="fxoverlap") on a Hugging Face MoE model after
+    expert_parallel: no fallback, dispatch/combine stages, eager's losses and gradients over
+    two accumulating microbatches."""
+    import warnings
+
+    import fxoverlap.backend as fxb
+
+    full = hf_cases.build(family)
+    ref = copy.deepcopy(full)
+    mbs = hf_cases.batches(0)
+    ref_losses = hf_cases.eager_losses(fxoverlap.expert_parallel(ref, None), mbs)
+    model = fxoverlap.expert_parallel(full, None)
+    torch._dynamo.reset()
+    fxb.reset()
+    compiled = torch.compile(model, backend="fxoverlap")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxb.FallbackWarning)
+        losses = hf_cases.eager_losses(compiled, mbs)
+    assert {"fwd_l0_dispatch", "fwd_l0_combine", "bwd_l1_dispatch"} <= {s.name for s in fxb.last_stages()}
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    rel = hf_cases.rel({n: p.grad for n, p in model.named_parameters()}, take_grads(ref))
+    assert _worst(rel)[0] <= FP32_TOL, _worst(rel)
+    fxb.reset()
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("family", hf_cases.MORE_FAMILIES)
 def test_more_families_one_rank_eager(family):
     """Families never named in fxoverlap: found by their experts interface, same losses and grads."""
