@@ -52,13 +52,18 @@ def _worst(rel: dict) -> tuple[float, str]:
     return rel[name], name
 
 
-@pytest.mark.parametrize("mode", ["eager", "optimize"])
+@pytest.mark.parametrize("mode", ["eager", "optimize", "backend"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_matches_unsharded_model(family, mode):
+    """``backend``: torch.compile(model, backend="fxoverlap"), no fallback, comm stages."""
     for rank, result in enumerate(_two_ranks()):
         r = result[f"{family}/float32"][mode]
         assert r["loss_rel"] <= 1e-6, (rank, r["loss_rel"])
         assert _worst(r["rel"])[0] <= FP32_TOL, (rank, _worst(r["rel"]))
+        if mode == "backend":
+            assert not r["fallbacks"], (rank, r["fallbacks"])
+            moe_layer = 1 if family == "deepseek_v3" else 0
+            assert {f"fwd_l{moe_layer}_dispatch", f"bwd_l{moe_layer}_combine"} <= set(r["stages"]), r["stages"]
 
 
 @pytest.mark.parametrize("mode", ["eager", "optimize"])

@@ -170,6 +170,9 @@ def families_on_two_ranks(rank: int, world: int, families: list[str], dtypes: li
             losses = engine.forward_backward(batches(rank), loss_fn=next_token_loss)
             row["optimize"] = dict(_result(optimized, losses, ref_losses, want, full),
                                    stages=[s.name for s in engine.stages])
+            if dtype_name == "float32":
+                row["backend"] = _through_backend(fxoverlap.expert_parallel(copy.deepcopy(full), group),
+                                                  rank, ref_losses, want, full)
             if dtype_name != "float32":
                 # fp32 math on the same (bf16-valued) weights: the unsharded bf16 model's own
                 # distance from it is the scale of bf16 rounding noise the EP result is judged by.
@@ -182,6 +185,25 @@ def families_on_two_ranks(rank: int, world: int, families: list[str], dtypes: li
             out[f"{family}/{dtype_name}"] = row
     out["indivisible"] = _indivisible_error(group)
     return out
+
+
+def _through_backend(model, rank: int, ref_losses, want: dict, full) -> dict:
+    """``torch.compile(model, backend="fxoverlap")``, ``loss.backward()`` per microbatch."""
+    import warnings
+
+    import fxoverlap.backend as fxb
+
+    torch._dynamo.reset()
+    fxb.reset()
+    compiled = torch.compile(model, backend="fxoverlap")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", fxb.FallbackWarning)
+        losses = eager_losses(compiled, batches(rank))
+    stages = [s.name for s in fxb.last_stages()]
+    fxb.reset()
+    torch._dynamo.reset()
+    return dict(_result(model, losses, ref_losses, want, full), stages=stages,
+                fallbacks=[str(w.message) for w in caught if issubclass(w.category, fxb.FallbackWarning)])
 
 
 def _indivisible_error(group) -> str:
