@@ -82,7 +82,24 @@ def _two_rank_cases(rank: int, world_size: int) -> dict:
     results["dedup"] = _compare(_moe(cfg, group), cfg.vocab_size, rank)
     # torchtitan-style EP: functional collectives (all_to_all_single_autograd), layers in a ModuleDict
     results["titan"] = _compare(functools.partial(TitanTransformer, group), 64, rank, steps=1)
+    results["ddp"] = _ddp_case(rank)
     return results
+
+
+def _ddp_case(rank: int) -> dict:
+    """DistributedDataParallel around the compiled model (each rank its own data): DDP's
+    reducer hooks the parameters' AccumulateGrad nodes, so they must fire for each
+    gradient the backend's segments return. Against eager DDP, 2 accumulating steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
+    saved, fxb.SEGMENT_MIN_GRAD_BYTES = fxb.SEGMENT_MIN_GRAD_BYTES, 0  # a segment per hand-out
+    try:
+        res = _compare(lambda: DDP(MoETransformer(cfg, None)), cfg.vocab_size, rank)
+    finally:
+        fxb.SEGMENT_MIN_GRAD_BYTES = saved
+    res["segments"] = len(fxb.last_compiled()._segments)
+    return res
 
 
 def _check(name: str, res: dict, *, bitwise: bool) -> None:
@@ -116,13 +133,15 @@ def _check_stages(name: str, res: dict, moe_layers: list[int], shared_expert: bo
         assert order.index(f"bwd_l{layer}_attn_early") == order.index(f"bwd_l{layer}_combine") + 1
 
 
-def test_two_ranks_dropless_capacity_dedup_and_functional_collectives():
+def test_two_ranks_dropless_capacity_dedup_functional_collectives_and_ddp():
     results = run_distributed(_two_rank_cases)
     for rank, per_rank in enumerate(results):
         for case, res in per_rank.items():
             name = f"rank {rank} {case}"
             _check(name, res, bitwise=True)
-            if case == "titan":
+            if case == "ddp":  # gradients are all-reduced: each rank's equal eager DDP's
+                assert res["segments"] > 2, (name, res["segments"])
+            elif case == "titan":
                 # torch 2.11 tags this model's backward all-to-alls differently (not as
                 # bwd dispatch/combine stages); numerics hold on both
                 _check_stages(name, res, moe_layers=[0, 1], shared_expert=False,
