@@ -93,6 +93,7 @@ from fxoverlap.runtime import ProgramRunner
 from fxoverlap.stage import Stage
 
 __all__ = [
+    "SEGMENT_MIN_GRAD_BYTES",
     "CompiledStep",
     "FallbackWarning",
     "annotate_layers",
@@ -100,6 +101,7 @@ __all__ = [
     "fxoverlap_backend",
     "last_compiled",
     "last_stages",
+    "merge_segments",
     "reset",
 ]
 
