@@ -405,16 +405,17 @@ class _GradSegment(torch.autograd.Function):
     first), so each gradient is accumulated into ``p.grad``, and freed, once final."""
 
     @staticmethod
-    def forward(ctx, run: _Run, k: int, order: tuple[int, ...], token: torch.Tensor, *inputs):
-        ctx.run, ctx.k, ctx.order, ctx.device = run, k, order, token.device
+    def forward(ctx, run: _Run, k: int, token: torch.Tensor, *inputs):
+        ctx.run, ctx.k, ctx.device = run, k, token.device
         return _token(token.device)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, _token_grad):
         got = ctx.run.backward_segment(ctx.k, None)
-        grads = [got.get(i) if need else None for i, need in zip(ctx.order, ctx.needs_input_grad[4:])]
-        return (None, None, None, _token(ctx.device), *grads)
+        order = ctx.run.step._segments[ctx.k][1]  # the inputs, as __call__ passed them
+        grads = [got.get(i) if need else None for i, need in zip(order, ctx.needs_input_grad[3:])]
+        return (None, None, _token(ctx.device), *grads)
 
 
 SEGMENT_MIN_GRAD_BYTES = 64 * 2**20
@@ -494,8 +495,7 @@ class CompiledStep:
             # backward, whether or not its own inputs need gradients
             token = _token(self._token_device(args), requires_grad=True)
             for k in range(len(self._segments) - 1, 0, -1):
-                order = self._segments[k][1]
-                token = _GradSegment.apply(run, k, order, token, *(args[i] for i in order))
+                token = _GradSegment.apply(run, k, token, *(args[i] for i in self._segments[k][1]))
         outs = _StepFunction.apply(run, token, *args)
         return outs if isinstance(outs, tuple) else (outs,)
 

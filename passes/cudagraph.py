@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxoverlap.stage import Stage, StreamKind
 
@@ -84,7 +85,7 @@ def largest_copy_in(stages: list[Stage]) -> tuple[int, str, str] | None:
 
 
 def _nbytes(t: torch.Tensor) -> int | None:
-    try:
-        return int(t.numel()) * t.element_size()
-    except Exception:  # noqa: BLE001 - an unbacked size: not known before the step
+    numel = t.numel()
+    if free_unbacked_symbols(numel):  # a data-dependent size: not known before the step
         return None
+    return int(numel) * t.element_size()

@@ -36,17 +36,17 @@ reads a replayable region value of group ``g``, that value's computation is clon
 into a recompute stage ``Tag(bwd, top layer of g, recompute)`` (``meta[RECOMPUTE_LAYERS_KEY]``
 = the group's layers) and the reader reads the clone. With replayed all-to-alls the
 clones get a phase (``Tag.phase``): an all-to-all has the largest phase of its inputs,
-a compute node one more than an all-to-all it reads, so the stages
-``recompute``, ``recompute_comm``, ``recompute1``, ... are acyclic. Clone inputs are what the group
+a compute node one more than an all-to-all it reads, so the stages ``recompute``,
+``recompute_comm``, ``recompute1``, ... are acyclic. Clone inputs are what the group
 does not replay: values outside the regions, parameters, saved nodes, and values of
 other groups (a group's input, e.g. the layer input a checkpoint keeps, stays saved).
 Backward readers outside the group (the next layer's, the head's) keep reading the
 saved original. ``gm.meta[SAVED_COMM_KEY]`` lists the layers whose checkpointed
 all-to-all outputs the backward reads saved (empty with ``replay_comm``), so the caller
 can say what the default keeps that eager's checkpoint would exchange again. The
-schedule places the recompute stage right before the first stage that reads it, on the
-compute stream. The originals then die in the forward
-and the free pass drops them there. Recomputed values are bitwise the saved ones: the
+schedule places each recompute stage right before the first stage that reads it (a
+``recompute_comm`` stage on the comm stream, the others on the compute stream). The
+originals then die in the forward and the free pass drops them there. Recomputed values are bitwise the saved ones: the
 same ops on the same inputs. A graph with no region comes back unchanged.
 
 Steps
