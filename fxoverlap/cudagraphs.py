@@ -80,7 +80,9 @@ than the launches a graph saves: ``passes/cudagraph.py`` turns graphs off by def
 there. Capture happens in the first step: per graph, a few warm-up runs on a side
 stream (as PyTorch's CUDA-graph docs recommend: lazy initialisation such as cuBLAS
 handles or the grouped-GEMM probe must not happen during capture), then the capture,
-then one replay. A capture that fails (e.g. a host sync hidden inside a custom op)
+then one replay (the warm-ups run with the random generators' states put back
+afterwards, so a stage that draws random numbers draws them once, at the replay,
+as eager does). A capture that fails (e.g. a host sync hidden inside a custom op)
 leaves that stage eager, with a logged reason. Gradients and losses are cloned off
 graph memory before they reach ``p.grad`` or the caller.
 
@@ -375,7 +377,10 @@ class StageGraphs:
             if self._side is None:
                 self._side = self.cuda.new_stream(self.device)
             self._side.wait_stream(cur)
-            with self.cuda.stream(self._side):
+            # Warm-ups must not draw: the capture's replay below draws this call's random
+            # numbers where eager would, once (a capture itself draws nothing).
+            with self.cuda.stream(self._side), torch.random.fork_rng(
+                    devices=[self.device] if self.device.type == "cuda" else []):
                 # The stage's other copy was warmed up already: lazy initialisation is done.
                 for _ in range(0 if stage.name in self._warmed else WARMUP_ITERS):
                     stage(*args)

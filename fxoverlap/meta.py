@@ -11,7 +11,9 @@ Joint-graph nodes (the captured train step) carry, in ``node.meta``:
   carry :data:`CHECKPOINT_KEY` (outside them torch leaves stale values behind);
 * :data:`TAG_KEY`: the node's :class:`~fxoverlap.stage.Tag` (set by ``tag``, refined by
   ``side`` and ``recompute``);
-* :data:`RECOMPUTE_LAYERS_KEY`: on recompute clones, the layers of their group.
+* :data:`RECOMPUTE_LAYERS_KEY`: on recompute clones, the layers of their group;
+* :data:`RNG_ORDER_KEY`: on random ops, their index in eager's order of draws (``rng``);
+  stage graphs keep it, and ``schedule`` checks the program's draws against it.
 
 Program nodes (the emitted schedule) carry :data:`STEP_KEY`: a
 :class:`fxoverlap.program_ops.Step`, what the node reads and writes.
@@ -31,6 +33,7 @@ CHECKPOINT_KEY = "fxoverlap_checkpoint"
 # ---- joint-graph node metadata written by the passes
 TAG_KEY = "fxoverlap_tag"
 RECOMPUTE_LAYERS_KEY = "fxoverlap_recompute_layers"
+RNG_ORDER_KEY = "fxoverlap_rng_order"  # rng: a random op's index in eager's order of draws
 
 # ---- joint-graph metadata (GraphModule.meta) written by the passes
 SAVED_COMM_KEY = "fxoverlap_saved_comm_layers"  # recompute: layers whose checkpointed all-to-alls stay saved
@@ -60,3 +63,17 @@ HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense"})
 
 def is_host_sync(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and op_name(node) in HOST_SYNC_OPS
+
+
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """A seeded op (it draws from a generator), unless its dropout probability is 0
+    (attention kernels without dropout carry the tag too)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+            or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            return value != 0
+    return True

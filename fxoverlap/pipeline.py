@@ -1,6 +1,6 @@
 """The pass pipeline, in one place for both entry points (``optimize`` and the backend).
 
-    capture ─ dispatcher ─ tag ─ side ─ recompute ─ split ─ cudagraph ─ inductor   (once per plan)
+    capture ─ dispatcher ─ tag ─ side ─ rng ─ recompute ─ split ─ cudagraph ─ inductor   (once per plan)
     schedule ─ [reduce] ─ streams ─ free                                            (once per microbatch count)
 
 ``cudagraph`` only chooses stages (``stage.graphed``), so it runs before
@@ -25,6 +25,7 @@ from fxoverlap.passes.free import free
 from fxoverlap.passes.inductor import inductor
 from fxoverlap.passes.recompute import recompute
 from fxoverlap.passes.reduce import reduce
+from fxoverlap.passes.rng import rng
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.side import side
 from fxoverlap.passes.split import split
@@ -46,6 +47,7 @@ def build_stages(capture: Capture, config: OverlapConfig, device_type: str, trai
     gm = tag(capture)
     if config.side_stages:
         gm = side(gm)
+    gm = rng(gm, capture.num_layers)  # after every pass that moves forward nodes between stages
     if train:  # activation checkpointing, and mHC with mhc_recompute_group
         gm = recompute(gm, capture.num_layers, config.mhc_recompute_group, replay_comm=config.ac_replay_comm)
         if (layers := gm.meta.get(SAVED_COMM_KEY)) and config.progress:

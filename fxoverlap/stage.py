@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch.fx
 
-from fxoverlap.meta import op_name
+from fxoverlap.meta import RNG_ORDER_KEY, op_name
 
 
 class StageKind(str, enum.Enum):
@@ -180,6 +180,12 @@ class Stage:
 
     def __call__(self, *args):
         return (self.compiled or self.graph_module)(*args)
+
+    @property
+    def draws(self) -> tuple[int, ...]:
+        """Eager's indices (``rng``) of the random ops this stage runs, in the order it runs them."""
+        return tuple(n.meta[RNG_ORDER_KEY] for n in self.graph_module.graph.nodes
+                     if n.op == "call_function" and RNG_ORDER_KEY in n.meta)
 
     def op_list(self) -> list[str]:
         """Compact rendering of the stage's ops, for snapshots and logs."""

@@ -68,8 +68,8 @@ import operator
 import torch
 import torch.fx
 
-from fxoverlap.meta import (CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, SAVED_COMM_KEY, TAG_KEY, custom, is_host_sync,
-                            op_name)
+from fxoverlap.meta import (CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, SAVED_COMM_KEY, TAG_KEY, custom,
+                            draws_random_numbers, is_host_sync, op_name)
 from fxoverlap.stage import COMM_KINDS, Direction, StageKind, Tag
 
 
@@ -84,18 +84,6 @@ def _saved_by_policy(node: torch.fx.Node) -> bool:
     return node.meta.get("recompute") in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
-def _draws_random_numbers(node: torch.fx.Node) -> bool:
-    """A seeded op, unless its dropout probability is 0 (attention kernels without dropout)."""
-    target = node.target
-    if torch.Tag.nondeterministic_seeded not in target.tags:
-        return False
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name in ("dropout_p", "p"):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
-            return value != 0
-    return True
-
-
 def _never_replayed(node: torch.fx.Node, replay_comm: bool = False) -> bool:
     """Host syncs, random and in-place ops (and communication, unless ``replay_comm``):
     saved, whatever the region."""
@@ -104,7 +92,7 @@ def _never_replayed(node: torch.fx.Node, replay_comm: bool = False) -> bool:
     if node.meta[TAG_KEY].kind in COMM_KINDS and not replay_comm:
         return True
     if isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable or _draws_random_numbers(node)
+        return node.target._schema.is_mutable or draws_random_numbers(node)
     return False
 
 

@@ -49,11 +49,17 @@ all-to-all. Per MoE layer l:
 A wgrad part with no comm stage after it (layer 0's attn, dense layers under the
 lowest MoE layer) runs right after its parent: waiting would only hold memory.
 
+Random ops draw in eager's order: every draw of microbatch ``i`` comes after the
+draws eager makes before it (its own earlier ones, and all of microbatch ``i - 1``'s),
+checked on the emitted program (``rng`` numbered them and made the stages keep
+that order within a microbatch); a program that would break it is refused with
+:class:`~fxoverlap.passes.rng.RngOrderError`.
+
 Steps
 -----
 1. Index the stages by (direction, layer, kind) and their parts by parent.
 2. Emit F(0), the merged steps, then B(N-1); each stage call with its sinks.
-3. Check that every stage ran once per microbatch.
+3. Check that every stage ran once per microbatch, and the order of random draws.
 
 Entry point: ``schedule(stages, capture, num_microbatches) -> GraphModule``;
 ``schedule(stages, capture, 1, forward_only=True)`` emits the forward alone.
@@ -68,6 +74,7 @@ import torch.nn as nn
 from fxoverlap import program_ops
 from fxoverlap.meta import STEP_KEY
 from fxoverlap.passes.capture import Capture
+from fxoverlap.passes.rng import RngOrderError
 from fxoverlap.program_ops import StageCall, Step
 from fxoverlap.stage import LAYER_KIND_ORDER, RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind
 
@@ -225,7 +232,25 @@ def schedule(
     missing = [(s.name, mb) for mb in range(num_microbatches) for s in expected if (s.name, mb) not in e.emitted]
     if missing:
         raise AssertionError(f"schedule: stages never placed: {missing[:5]}")
+    _check_draws(e.graph, {s.name: s for s in stages})
     e.graph.output(None)
     gm = torch.fx.GraphModule(e.root, e.graph, class_name="Program")
     gm.meta = {"num_microbatches": num_microbatches, "num_layers": num_layers}
     return gm
+
+
+def _check_draws(graph: torch.fx.Graph, stages: dict[str, Stage]) -> None:
+    """Step 3: the program's random draws, (microbatch, eager index), only ever increase."""
+    last = None
+    for node in graph.nodes:
+        step = node.meta.get(STEP_KEY)
+        if step is None or step.stage is None:
+            continue
+        for d in stages[step.stage].draws:
+            if last is not None and (step.microbatch, d) <= last[0]:
+                raise RngOrderError(
+                    f"schedule: {node.name} (stage {step.stage}) would draw random numbers before {last[1]} "
+                    f"(microbatch {last[0][0]}), which eager draws first: random ops would get each other's "
+                    f"numbers. A random op in the backward (a custom autograd.Function that draws) cannot "
+                    f"overlap the next microbatch's forward; run such a model with one microbatch per call")
+            last = ((step.microbatch, d), node.name)
