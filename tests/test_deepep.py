@@ -126,7 +126,31 @@ class TestSnapshots(expecttest.TestCase):
     def test_deepep_stage_table(self):
         cap, gm = _tagged("deepep")
         self.assertExpectedInline(format_stage_table(split(gm, cap.num_layers)), """\
-""")
+stage            layer  kind      dir  stream  ops  in  out  runs   capturable
+fwd_model_embed  -1     embed     fwd  comp    1    2   1    eager  yes
+fwd_l0_attn      0      attn      fwd  comp    33   6   19   eager  yes
+fwd_l0_dispatch  0      dispatch  fwd  comm    6    3   5    eager  no: communication stage (stays eager on the comm stream)
+fwd_l0_experts   0      experts   fwd  comp    21   8   12   eager  no: data-dependent shape at node index (aten.index)
+fwd_l0_combine   0      combine   fwd  comm    1    2   1    eager  no: communication stage (stays eager on the comm stream)
+fwd_l0_post      0      post      fwd  comp    3    3   1    eager  yes
+fwd_l1_attn      1      attn      fwd  comp    33   6   19   eager  yes
+fwd_l1_dispatch  1      dispatch  fwd  comm    6    3   5    eager  no: communication stage (stays eager on the comm stream)
+fwd_l1_experts   1      experts   fwd  comp    21   8   12   eager  no: data-dependent shape at node index_4 (aten.index)
+fwd_l1_combine   1      combine   fwd  comm    1    2   1    eager  no: communication stage (stays eager on the comm stream)
+fwd_l1_post      1      post      fwd  comp    3    3   1    eager  yes
+fwd_model_head   2      head      fwd  comp    18   4   10   eager  yes
+bwd_model_head   2      head      bwd  comp    29   12  3    eager  yes
+bwd_l1_post      1      post      bwd  comp    1    1   1    eager  no: only views and metadata ops, nothing to capture
+bwd_l1_combine   1      combine   bwd  comm    1    1   1    eager  no: communication stage (stays eager on the comm stream)
+bwd_l1_experts   1      experts   bwd  comp    18   14  4    eager  no: data-dependent shape at node gather (aten.gather)
+bwd_l1_dispatch  1      dispatch  bwd  comm    2    2   2    eager  no: communication stage (stays eager on the comm stream)
+bwd_l1_attn      1      attn      bwd  comp    63   21  6    eager  yes
+bwd_l0_post      0      post      bwd  comp    1    1   1    eager  no: only views and metadata ops, nothing to capture
+bwd_l0_combine   0      combine   bwd  comm    1    1   1    eager  no: communication stage (stays eager on the comm stream)
+bwd_l0_experts   0      experts   bwd  comp    18   14  4    eager  no: data-dependent shape at node gather_1 (aten.gather)
+bwd_l0_dispatch  0      dispatch  bwd  comm    2    2   2    eager  no: communication stage (stays eager on the comm stream)
+bwd_l0_attn      0      attn      bwd  comp    63   21  6    eager  yes
+bwd_model_embed  -1     embed     bwd  comp    1    2   1    eager  yes""")
 
 
 def _eager(backend: str, mbs):
