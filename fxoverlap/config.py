@@ -3,12 +3,47 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
 COMPILERS = ("inductor", "eager")
-DISPATCHERS = ("auto", "all_to_all", "padded", "symm_mem")
+# Recognised, not built: the model calls torchtitan's deepep::/hybridep:: ops itself.
+DEEPEP_DISPATCHERS = ("deepep", "hybridep")
+# The one list of dispatcher names (passes/dispatcher.py takes it from here).
+DISPATCHERS = ("auto", "all_to_all", "padded", "symm_mem", *DEEPEP_DISPATCHERS)
 GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
+
+
+class DispatcherUnavailable(ImportError, ValueError):
+    """``OverlapConfig(dispatcher="deepep" | "hybridep")`` without the package it needs; the
+    message says how to get it. A ValueError, as every bad ``dispatcher`` is, and an ImportError."""
+
+
+def deepep_missing(dispatcher: str) -> str | None:
+    """Why ``dispatcher`` ("deepep" / "hybridep") cannot run here, or None when ``deep_ep``
+    (with ``HybridEPBuffer`` for "hybridep") imports."""
+    try:
+        deep_ep = importlib.import_module("deep_ep")
+    except Exception as e:  # noqa: BLE001  (a build without its CUDA libraries raises OSError)
+        return f"`import deep_ep` failed ({type(e).__name__}: {e})"
+    if dispatcher == "hybridep" and not hasattr(deep_ep, "HybridEPBuffer"):
+        return "the installed deep_ep has no HybridEPBuffer (it is not a hybrid-ep build)"
+    return None
+
+
+def _deepep_error(dispatcher: str, why: str) -> DispatcherUnavailable:
+    return DispatcherUnavailable(
+        f"OverlapConfig(dispatcher={dispatcher!r}) needs DeepEP: {why}. Get it from "
+        f"https://github.com/deepseek-ai/DeepEP: V1's intranode buffer is deep_ep/buffers/legacy.py, HybridEP is "
+        f"the `hybrid-ep` branch; torchtitan's DeepEP module (torchtitan/distributed/deepep/deepep.py) needs "
+        f"DeepEP V2 (deep_ep.ElasticBuffer), which needs NCCL >= 2.30.4. fxoverlap does not yet lower its own "
+        f"dispatch/combine ops to DeepEP: with this dispatcher the model must call torchtitan's "
+        f"{'deepep::' if dispatcher == 'deepep' else 'hybridep::'} ops itself (torchtitan's "
+        f"{'DeepEP' if dispatcher == 'deepep' else 'HybridEP'}TokenDispatcher), which fxoverlap's tag pass "
+        f"recognises under any dispatcher setting. Otherwise use dispatcher='auto', 'all_to_all', 'padded' or "
+        f"'symm_mem'"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +100,11 @@ class OverlapConfig:
             read; any device), ``"symm_mem"`` (the same layout, real rows written into
             the peers' symmetric memory; CUDA, one host), or ``"auto"``: ``symm_mem``
             where it can run with more than one EP rank, else ``all_to_all``.
+            ``"deepep"`` / ``"hybridep"``: recognised, not built: the model calls
+            torchtitan's ``deepep::`` / ``hybridep::`` ops itself (its DeepEP / HybridEP
+            token dispatcher) and fxoverlap leaves them as they are; fxoverlap's own
+            dispatch/combine ops are refused. Needs ``deep_ep`` (a ``hybrid-ep`` build for
+            ``"hybridep"``); without it the config raises ``DispatcherUnavailable``.
         dispatch_capacity_factor: static dispatchers only. ``None``: each link can
             carry every row a rank could send it (never overflows). A factor ``f``:
             ``f`` times the balanced share (``rows sent / ep``), saving memory; a step
@@ -91,7 +131,7 @@ class OverlapConfig:
     ac_replay_comm: bool = False
     record_memory: bool = False
     progress: bool = True
-    dispatcher: Literal["auto", "all_to_all", "padded", "symm_mem"] = "auto"
+    dispatcher: Literal["auto", "all_to_all", "padded", "symm_mem", "deepep", "hybridep"] = "auto"
     dispatch_capacity_factor: float | None = None
     grad_reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
     reduce_bucket_mb: float = 25.0
@@ -99,6 +139,8 @@ class OverlapConfig:
     def __post_init__(self) -> None:
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"OverlapConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
+        if self.dispatcher in DEEPEP_DISPATCHERS and (why := deepep_missing(self.dispatcher)) is not None:
+            raise _deepep_error(self.dispatcher, why)
         if self.dispatch_capacity_factor is not None and not self.dispatch_capacity_factor > 0:
             raise ValueError(
                 f"OverlapConfig.dispatch_capacity_factor must be > 0 (a multiple of the balanced share of rows "

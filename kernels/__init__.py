@@ -5,6 +5,7 @@ gloo on CPU). ``grouped_gemm``: expert GEMMs (``torch._grouped_mm`` or a loop).
 ``static_ep``: sync-free, static-shape
 dispatch/combine over a fixed per-link capacity, moved by a transport: ``padded`` (equal-split
 all-to-all) or ``symm_mem`` (CUDA symmetric memory; imported only when used).
-``deepep``: the op names of DeepEP's dispatch and combine, which the tag pass
-recognises (``deep_ep`` itself is never imported).
+``deepep``: the op names torchtitan registers for DeepEP's and HybridEP's dispatch and
+combine (``deepep::``, ``hybridep::``), which the tag pass recognises (neither ``deep_ep``
+nor torchtitan is imported).
 """

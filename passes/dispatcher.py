@@ -11,6 +11,10 @@ Models write one interface (``ops.dispatch``/``ops.combine``, or the token-once
   peers' symmetric memory (CUDA, one host); zero host reads, only real rows move.
 * ``"auto"``: ``symm_mem`` where it can run and the EP group has more than one rank, else
   ``all_to_all``.
+* ``"deepep"`` / ``"hybridep"``: recognised, not built. The model calls torchtitan's
+  ``deepep::`` / ``hybridep::`` ops itself (``tag`` knows them under every setting); the
+  graph is left alone, and fxoverlap's generic ops are refused (they are not lowered to
+  DeepEP yet). ``OverlapConfig`` checks that ``deep_ep`` is there.
 
 Contract
   Assumes: the captured graph (joint or forward-only) before ``tag``; every rank of the
@@ -54,11 +58,12 @@ from torch.fx.node import map_arg
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxoverlap import ops  # noqa: F401  (registers the generic ops)
+from fxoverlap.config import DEEPEP_DISPATCHERS, DISPATCHERS
 from fxoverlap.dispatch_ops import OVERFLOW_KEY, STATIC_OPS, OverflowFlags, OverflowSite
 from fxoverlap.kernels import a2a
 from fxoverlap.meta import LAYER_KEY
 
-BACKENDS = ("auto", "all_to_all", "padded", "symm_mem")
+BACKENDS = DISPATCHERS  # one list, fxoverlap/config.py's
 _OVERFLOW_BUFFER = "_fxoverlap_dispatch_overflow"
 
 _fx = torch.ops.fxoverlap
@@ -272,6 +277,16 @@ def check_row_wise(gm: torch.fx.GraphModule) -> None:
 def _resolve(backend: str, gm: torch.fx.GraphModule, sites: list[Site]) -> str:
     if backend not in BACKENDS:
         raise DispatcherError(f"OverlapConfig.dispatcher must be one of {BACKENDS}, got {backend!r}")
+    if backend in DEEPEP_DISPATCHERS:  # the model calls torchtitan's ops; nothing to lower
+        if sites:
+            raise DispatcherError(
+                f"OverlapConfig(dispatcher={backend!r}): node {sites[0].dispatch.name} ({sites[0].dispatch.target}) is "
+                f"fxoverlap's own dispatch, which fxoverlap does not yet lower to DeepEP; with this dispatcher the "
+                f"model must call torchtitan's {backend}:: ops itself (its "
+                f"{'DeepEP' if backend == 'deepep' else 'HybridEP'}TokenDispatcher). Or keep fxoverlap's ops "
+                f"and use dispatcher='auto', 'all_to_all', 'padded' or 'symm_mem'"
+            )
+        return "all_to_all"  # leave the graph as it is
     if backend in ("all_to_all", "padded") or not sites:
         return backend if backend != "auto" else "all_to_all"
     from fxoverlap.kernels import symm_mem

@@ -28,7 +28,8 @@ so it can overlap the dispatch):
   parameters to run outside region ``"mhc"``) and what depends on it are ``mlp``.
 
 Communication is recognised by op (:data:`COMM_OPS`: fxoverlap's own ops,
-functional collectives as torchtitan writes EP, DeepEP ops) or by a
+functional collectives as torchtitan writes EP, the ``deepep::`` and ``hybridep::``
+ops torchtitan registers for DeepEP and HybridEP) or by a
 ``fxoverlap.region("dispatch" | "combine")`` marker. Among unmarked all-to-alls,
 one whose data input depends (other than through a host-side scalar) on another
 all-to-all's output is a combine; the rest are dispatches.
@@ -62,7 +63,8 @@ from fxoverlap.stage import COMM_KINDS, Direction, StageKind, Tag
 # Communication ops by op name: what they are when no region marker says otherwise.
 # None: an all-to-all whose role is decided by data dependencies.
 # fxoverlap's own: the generic ops models write and the static ones the dispatcher pass
-# lowers them to (backward comm ops take their forward op's tag by seq_nr).
+# lowers them to (backward comm ops take their forward op's tag by seq_nr); torchtitan's
+# DeepEP/HybridEP ops (kernels/deepep.py).
 COMM_OPS: dict[str, StageKind | None] = {
     **{f"fxoverlap.{op}{static}": StageKind.DISPATCH
        for op in ("dispatch", "token_dispatch") for static in ("", "_static")},
