@@ -1,7 +1,7 @@
 """fxoverlap's graph passes, one per module, each with one public entry point.
 
-capture -> tag -> side -> recompute -> split -> cudagraph -> inductor   (once per plan)
-schedule -> streams -> free                                            (once per microbatch count)
+capture -> dispatcher -> tag -> side -> rng -> recompute -> split -> cudagraph -> inductor   (once per plan)
+schedule -> [reduce] -> streams -> free                                                     (once per microbatch count)
 
 ``fxoverlap.pipeline`` runs them in this order for both entry points.
 """

@@ -13,6 +13,7 @@ next step draws on from where eager's would), over two calls:
 - the ``torch.compile`` backend on 2 ranks, no fallback;
 - CUDA graphs' capture logic (the CPU stand-in of tests/test_cudagraph.py): warm-ups
   draw nothing;
+- a Hugging Face family whose router samples in training (PhiMoE), one rank;
 - Inductor stages: the program draws what the same compiled stages draw in plain order;
 - the rng pass on its own: which stages draw, and the order check that refuses a
   program whose backward draws while the next microbatch's forward does.
@@ -149,3 +150,27 @@ def _inductor_program_vs_plain(router: str) -> None:
     assert all(torch.equal(p.grad, plain_grads[k]) for k, p in model.named_parameters())
     assert torch.equal(state, torch.get_rng_state())
     assert any(s.runs_as == "inductor" and s.draws for s in plan.stages)
+
+
+def test_hf_family_whose_router_samples():
+    """PhiMoE's sparsemixer draws Gumbel noise in training, with jitter and attention dropout:
+    without the rng pass its losses differ from eager's (found on main at 8031e30)."""
+    from hf_cases import batches, build, next_token_loss
+
+    model = fxoverlap.expert_parallel(build("phimoe", router_jitter_noise=0.1, input_jitter_noise=0.1,
+                                            attention_dropout=0.1), None)
+    model.train()
+    mbs = batches(0, 3)
+    torch.manual_seed(SEED)
+    ref_losses = []
+    for mb in mbs:
+        loss = next_token_loss(model(mb), mb)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    ref, state = take_grads(model), torch.get_rng_state()
+    engine = fxoverlap.optimize(model, None)
+    torch.manual_seed(SEED)
+    losses = engine.forward_backward([(mb,) for mb in mbs], loss_fn=next_token_loss)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(p.grad, ref[k]) for k, p in model.named_parameters() if k in ref)
+    assert torch.equal(state, torch.get_rng_state())

@@ -62,6 +62,8 @@ _FAMILIES.update({
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
         _MOE, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(_MOE, num_experts=4, moe_topk=2)),
+    # its router samples in training (sparsemixer: Gumbel noise from exponential_)
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(_MOE, num_local_experts=4, num_experts_per_tok=2)),
 })
 MORE_FAMILIES = ["olmoe", "qwen2_moe", "granitemoe", "glm4_moe", "deepseek_v2", "ernie4_5_moe", "minimax",
                  "hunyuan_v1_moe"]
