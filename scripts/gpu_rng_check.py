@@ -38,7 +38,7 @@ def eager(model, mbs, rounds=2, call=None):
     losses = []
     for _ in range(rounds):
         for mb in mbs:
-            loss = (call or model)(*mb)
+            loss = (model if call is None else call)(*mb)
             loss.backward()
             losses.append(loss.detach())
     return losses, take_grads(model), torch.cuda.get_rng_state()
