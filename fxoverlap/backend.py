@@ -48,7 +48,11 @@ Fallback: anything the backend cannot handle (dynamic-shape graph inputs, a
 graph output that is not a tensor, no output needing grad, a capture/tag/split
 error) makes it return the plain Dynamo GraphModule, which runs like eager, with a
 :class:`FallbackWarning` (also logged) that names the reason. Under
-``torch.no_grad()`` the plain graph runs too, without a warning.
+``torch.no_grad()`` the plain graph runs too, without a warning. When Dynamo broke
+the graph at a host read (split sizes from ``.tolist()``, :func:`host_read_breaks`), a
+graph without a whole decoder layer falls back with a warning that names the break and
+the fixes (:func:`graph_break_hint`): the static dispatchers, ``capture_scalar_outputs``,
+or ``fxoverlap.optimize``.
 
 Dropless routing gives ``fxoverlap::dispatch`` a data-dependent output size,
 which Dynamo graph-breaks on unless
@@ -101,6 +105,8 @@ __all__ = [
     "annotate_layers",
     "backend_config",
     "fxoverlap_backend",
+    "graph_break_hint",
+    "host_read_breaks",
     "last_compiled",
     "last_stages",
     "merge_segments",
@@ -552,6 +558,46 @@ def _fallback(gm: torch.fx.GraphModule, reason: str):
     return gm.forward
 
 
+# Dynamo's reasons for a graph break at a read of a tensor's value on the host
+# (``.tolist()``, ``.item()``, ``int(t)``: ``aten._local_scalar_dense``)
+_HOST_READ = re.compile(r"_local_scalar_dense|tolist|\.item\(|data.dependent", re.IGNORECASE)
+
+
+def host_read_breaks() -> list[str]:
+    """The first lines of the graph-break reasons Dynamo recorded in this process that are
+    host reads of tensor values (split sizes from ``.tolist()``, a scalar from ``.item()``)."""
+    from torch._dynamo.utils import counters
+
+    out = []
+    for reason in counters.get("graph_break", {}):
+        if _HOST_READ.search(reason):
+            ctx = re.search(r"Developer debug context:\s*(\S+)", reason)
+            out.append(reason.strip().splitlines()[0] + (f" at {ctx.group(1)}" if ctx else ""))
+    return out
+
+
+def _has_all_to_all(gm: torch.fx.GraphModule) -> bool:
+    """Whether the Dynamo graph runs an all-to-all (a functional collective or fxoverlap's ops)."""
+    return any(n.op == "call_function" and ("all_to_all" in str(n.target) or "fxoverlap" in str(n.target))
+               for n in gm.graph.nodes)
+
+
+def graph_break_hint() -> str | None:
+    """Why a graph holds no whole decoder layer when Dynamo broke graphs at host reads, and the fix."""
+    breaks = host_read_breaks()
+    if not breaks:
+        return None
+    return (
+        f"a graph break split the decoder layers: Dynamo broke the graph at a host read of a tensor value "
+        f"({breaks[0]!r}: e.g. all-to-all split sizes from .tolist()), so each graph holds a piece of a layer, "
+        f"and no graph a whole layer with its all-to-alls to overlap. Fixes: fxoverlap's dispatch/combine ops "
+        f"(fxoverlap.ops) with a static, sync-free dispatcher (OverlapConfig(dispatcher='padded' | 'symm_mem'), "
+        f"torch.compile(..., options={{'dispatcher': 'padded'}})), which read no split sizes on the host; "
+        f"torch._dynamo.config.capture_scalar_outputs = True, which keeps the host read inside the graph; "
+        f"or fxoverlap.optimize(model, ep_group), which traces the whole step without graph breaks"
+    )
+
+
 def _check_supported(gm: torch.fx.GraphModule, example_inputs) -> None:
     for i, t in enumerate(example_inputs):
         if not isinstance(t, torch.Tensor):
@@ -648,6 +694,8 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig
         )
         device = next((t.device for t in example_inputs if t.requires_grad), example_inputs[0].device)
         stages = build_stages(cap, config, device.type)
+    if info.num_layers == 0 and _has_all_to_all(gm) and (hint := graph_break_hint()) is not None:
+        raise _Unsupported(f"no decoder layer in this graph; {hint}")
     program = build_program(stages, cap, 1, config)
     if info.num_layers == 0:
         log.warning("fxoverlap backend: no decoder layers found in the graph; one stage per direction, no overlap")
@@ -668,6 +716,9 @@ def fxoverlap_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | 
         return _fallback(gm, str(e))
     except Exception as e:  # a pass could not handle the graph: never a wrong answer
         log.debug("fxoverlap backend: compile failed", exc_info=True)
+        hint = graph_break_hint() if "outside every decoder layer" in str(e) else None
+        if hint is not None:  # the layer is a fragment: the graph break is the cause, not the model
+            return _fallback(gm, f"{hint} (the pass said: {type(e).__name__}: {e})")
         return _fallback(gm, f"{type(e).__name__}: {e}")
     _last = step
     log.info("fxoverlap backend: %d stages\n%s", len(step.stages), step.stage_table())

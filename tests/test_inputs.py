@@ -127,3 +127,20 @@ def test_ranks_that_disagree_on_the_microbatch_count_both_raise():
         assert "rank 0: 3 microbatch(es) of (int64[2, 16], int64[2, 16])" in msg
         assert "rank 1: 2 microbatch(es)" in msg
         assert seconds < 30, f"rank {rank} took {seconds:.1f}s"
+
+
+def test_backend_graph_break_at_tolist_is_named_with_the_fixes():
+    """Dropless EP with host split sizes (``.tolist()``) through the backend: Dynamo breaks
+    every layer's graph; the fallback warning names the break and the fixes, not an
+    all-to-all outside the layers."""
+    import layer_cases
+
+    (res,) = run_distributed(layer_cases.host_split_backend_warnings, world_size=1)
+    assert res["equal"]
+    named = [w for w in res["warnings"] if "a graph break split the decoder layers" in w]
+    assert named, res["warnings"]
+    for w in named:
+        assert "_local_scalar_dense" in w and ".tolist()" in w
+        assert "dispatcher='padded' | 'symm_mem'" in w
+        assert "capture_scalar_outputs = True" in w and "fxoverlap.optimize(model, ep_group)" in w
+    assert not any("outside every decoder layer" in w and "graph break" not in w for w in res["warnings"])
