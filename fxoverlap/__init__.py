@@ -2,13 +2,13 @@
 
 from fxoverlap.config import OverlapConfig
 from fxoverlap.dispatch_ops import DispatchOverflow
-from fxoverlap.engine import Engine, optimize
+from fxoverlap.engine import Engine, InputError, MicrobatchMismatch, optimize
 from fxoverlap.expert_parallel import expert_parallel
 from fxoverlap.region import region
 from fxoverlap.runtime import StageFailed
 from fxoverlap.stage import Direction, Stage, StageKind, StreamKind
 
-__all__ = ["DispatchOverflow", "Engine", "optimize", "expert_parallel", "OverlapConfig", "region", "StageFailed", "Direction", "Stage", "StageKind", "StreamKind"]
+__all__ = ["DispatchOverflow", "Engine", "InputError", "MicrobatchMismatch", "optimize", "expert_parallel", "OverlapConfig", "region", "StageFailed", "Direction", "Stage", "StageKind", "StreamKind"]
 __version__ = "0.1.0"
 
 from fxoverlap import backend  # noqa: E402,F401  (registers torch.compile backend "fxoverlap")

@@ -6,10 +6,11 @@ What is Dynamo-specific lives here; everything else is the engine's pipeline
 runtime, one free plan, one way to compile stages. Dynamo hands the backend its
 forward GraphModule, parameters lifted to graph inputs. The backend
 
-1. **annotates layers** (:func:`annotate_layers`): the decoder layer of every
-   Dynamo node comes from its ``nn_module_stack`` (``L['self'].layers.0.moe...``),
-   written into ``node.meta["custom"]`` under the keys the capture pass's hooks
-   write for ``optimize``. Dynamo turns an activation checkpoint into a
+1. **annotates layers** (:func:`annotate_layers`): the entry of every candidate
+   layer list a Dynamo node runs in comes from its ``nn_module_stack``
+   (``L['self'].layers.0.moe...``), written into ``node.meta["custom"]`` under the key
+   the capture pass's hooks write for ``optimize``; the capture pass then picks the
+   decoder-layer list with the same finder as for ``optimize`` (``passes/layers.py``). Dynamo turns an activation checkpoint into a
    ``tag_activation_checkpoint`` call of a body graph: its body's nodes are annotated
    too, and marked as checkpointed, so the recompute pass replays them as it does
    under ``optimize``;
@@ -47,7 +48,11 @@ Fallback: anything the backend cannot handle (dynamic-shape graph inputs, a
 graph output that is not a tensor, no output needing grad, a capture/tag/split
 error) makes it return the plain Dynamo GraphModule, which runs like eager, with a
 :class:`FallbackWarning` (also logged) that names the reason. Under
-``torch.no_grad()`` the plain graph runs too, without a warning.
+``torch.no_grad()`` the plain graph runs too, without a warning. When Dynamo broke
+the graph at a host read (split sizes from ``.tolist()``, :func:`host_read_breaks`), a
+graph without a whole decoder layer falls back with a warning that names the break and
+the fixes (:func:`graph_break_hint`): the static dispatchers, ``capture_scalar_outputs``,
+or ``fxoverlap.optimize``.
 
 Dropless routing gives ``fxoverlap::dispatch`` a data-dependent output size,
 which Dynamo graph-breaks on unless
@@ -86,8 +91,9 @@ import torch.nn as nn
 
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
-from fxoverlap.meta import CHECKPOINT_KEY, CHILD_KEY, LAYER_KEY
+from fxoverlap.meta import CHECKPOINT_KEY
 from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
+from fxoverlap.passes.layers import LIST_KEY
 from fxoverlap.pipeline import build_program, build_stages
 from fxoverlap.runtime import ProgramRunner
 from fxoverlap.stage import Stage
@@ -99,6 +105,8 @@ __all__ = [
     "annotate_layers",
     "backend_config",
     "fxoverlap_backend",
+    "graph_break_hint",
+    "host_read_breaks",
     "last_compiled",
     "last_stages",
     "merge_segments",
@@ -174,14 +182,17 @@ class LayerInfo:
     layer_names: list[str]  # child names of the container, in execution order
     param_children: dict[int, set[str]]  # per layer: its children that read a parameter
     ffn_child: dict[int, str]  # per layer: the last of them to run
+    in_order: bool = True  # each layer's nodes run before the next layer's
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_names)
 
 
-def _find_container(paths: list[tuple[str, ...]]) -> tuple[str, ...] | None:
-    """The outermost module list among ``paths`` (integer children), the largest if several."""
+def _candidates(paths: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Every module list among ``paths`` (a module with integer children), outer ones first.
+    Which one holds the decoder layers is decided after capture, from where the
+    all-to-alls ran (``passes/layers.py``, shared with ``fxoverlap.optimize``)."""
     kids: dict[tuple[str, ...], list[str]] = {}
     for p in paths:
         for i in range(1, len(p)):
@@ -189,10 +200,7 @@ def _find_container(paths: list[tuple[str, ...]]) -> tuple[str, ...] | None:
                 lst = kids.setdefault(p[:i], [])
                 if p[i] not in lst:
                     lst.append(p[i])
-    outer = [c for c in kids if not any(len(c) > len(o) and c[: len(o)] == o for o in kids)]
-    if not outer:
-        return None
-    return max(outer, key=lambda c: len(kids[c]))
+    return sorted(kids, key=len)
 
 
 def _layer_and_child(paths: list[tuple[str, ...]], container: tuple[str, ...]) -> tuple[str, str | None] | None:
@@ -257,68 +265,69 @@ def _execution_order(gm: torch.fx.GraphModule, params: set[torch.fx.Node], check
 
 def annotate_layers(
     gm: torch.fx.GraphModule, differentiable: set[str] | None = None, layer_container: str | None = None
-) -> LayerInfo:
-    """Write ``{fxoverlap_layer: i, fxoverlap_child: name}`` into ``node.meta["custom"]``
-    of every Dynamo node that runs inside decoder layer ``i`` (child ``name``), the nodes
-    of checkpoint bodies included (these also get ``fxoverlap_checkpoint``).
+) -> dict[str, LayerInfo]:
+    """Write ``{LIST_KEY: {list: (i, child)}}`` (``passes/layers.py``) into
+    ``node.meta["custom"]`` of every Dynamo node that runs inside entry ``i`` (child
+    ``name``) of a candidate layer list, the nodes of checkpoint bodies included (these
+    also get ``fxoverlap_checkpoint``); return each candidate's :class:`LayerInfo`.
 
-    The layers are the children of ``layer_container`` (an attribute path such as
-    ``"layers"``) or, by default, of the outermost module list seen in the nodes'
-    ``nn_module_stack``; they are numbered in execution order. ``differentiable``
-    names the placeholders that are parameters: a dense layer's FFN is its last
-    child that reads one (as the capture pass's hooks decide).
+    The candidates are ``layer_container`` (an attribute path such as ``"layers"``) or,
+    by default, every module list seen in the nodes' ``nn_module_stack``; entries are
+    numbered in execution order. The capture pass chooses among them, as it does for
+    ``fxoverlap.optimize``. ``differentiable`` names the placeholders that are
+    parameters: a dense layer's FFN is its last child that reads one (as the capture
+    pass's hooks decide).
     """
     differentiable = differentiable or set()
     params = {n for n in gm.graph.find_nodes(op="placeholder") if n.name in differentiable}
     params |= {n for n in gm.graph.nodes if n.op == "get_attr" and not isinstance(getattr(gm, n.target, None), torch.fx.GraphModule)}
     flat = _execution_order(gm, params)
-    nodes = [n for n, _ in flat]
-    node_paths = {n: _stack_paths(n) for n in nodes}
+    node_paths = {n: _stack_paths(n) for n, _ in flat}
     if layer_container is not None:
-        container = tuple(p for p in layer_container.split(".") if p)
+        containers = [tuple(p for p in layer_container.split(".") if p)]
     else:
-        container = _find_container([p for ps in node_paths.values() for p in ps])
-    if container is None:
-        return LayerInfo((), [], {}, {})
-    k = len(container)
-    order: list[str] = []
-    child_order: dict[str, list[str]] = {}
-    param_children: dict[str, set[str]] = {}
-    seq: list[int] = []
+        containers = _candidates([p for ps in node_paths.values() for p in ps])
+    order: dict[tuple[str, ...], list[str]] = {c: [] for c in containers}
+    child_order: dict[tuple[str, ...], dict[str, list[str]]] = {c: {} for c in containers}
+    param_children: dict[tuple[str, ...], dict[str, set[str]]] = {c: {} for c in containers}
+    last: dict[tuple[str, ...], int] = {}
+    in_order = {c: True for c in containers}
     for n, checkpoint in flat:
         if checkpoint is not None:  # a body node: the recompute pass may replay it
             n.meta["custom"] = {**(n.meta.get("custom") or {}), CHECKPOINT_KEY: checkpoint}
-        found = _layer_and_child(node_paths[n], container)
-        if found is None:
-            continue
-        layer_name, child = found
-        if layer_name not in order:
-            order.append(layer_name)
-        i = order.index(layer_name)
-        seq.append(i)
-        meta = dict(n.meta.get("custom") or {})
-        meta[LAYER_KEY] = i
-        if child is not None:
-            meta[CHILD_KEY] = child
-            kids = child_order.setdefault(layer_name, [])
-            if child not in kids:
-                kids.append(child)
-            if any(p in params for p in n.all_input_nodes):
-                param_children.setdefault(layer_name, set()).add(child)
-        n.meta["custom"] = meta
-    if layer_container is not None and not order:
+        lists = {}
+        for c in containers:
+            found = _layer_and_child(node_paths[n], c)
+            if found is None:
+                continue
+            layer_name, child = found
+            if layer_name not in order[c]:
+                order[c].append(layer_name)
+            i = order[c].index(layer_name)
+            in_order[c] &= i >= last.get(c, 0)
+            last[c] = i
+            if child is not None:
+                kids = child_order[c].setdefault(layer_name, [])
+                if child not in kids:
+                    kids.append(child)
+                if any(p in params for p in n.all_input_nodes):
+                    param_children[c].setdefault(layer_name, set()).add(child)
+            lists[".".join(c)] = (i, child)
+        if lists:
+            n.meta["custom"] = {**(n.meta.get("custom") or {}), LIST_KEY: lists}
+    if layer_container is not None and not order[containers[0]]:
         raise _Unsupported(f"layer_container={layer_container!r} names no module that runs in the graph")
-    if any(b < a for a, b in zip(seq, seq[1:])):
-        raise _Unsupported(
-            f"the layers of {'.'.join(container)} do not run one after another (a layer is called "
-            f"twice or interleaved with another); fxoverlap schedules each layer once per step"
-        )
-    ffn_child, owners = {}, {}
-    for i, name in enumerate(order):
-        kids = [c for c in child_order.get(name, []) if c in param_children.get(name, set())]
-        if kids:
-            ffn_child[i], owners[i] = kids[-1], set(kids)
-    return LayerInfo(container, order, owners, ffn_child)
+    infos = {}
+    for c in containers:
+        if not order[c]:
+            continue
+        ffn_child, owners = {}, {}
+        for i, name in enumerate(order[c]):
+            kids = [k for k in child_order[c].get(name, []) if k in param_children[c].get(name, set())]
+            if kids:
+                ffn_child[i], owners[i] = kids[-1], set(kids)
+        infos[".".join(c)] = LayerInfo(c, order[c], owners, ffn_child, in_order[c])
+    return infos
 
 
 # ------------------------------------------------------------------ capture of a Dynamo graph
@@ -549,6 +558,46 @@ def _fallback(gm: torch.fx.GraphModule, reason: str):
     return gm.forward
 
 
+# Dynamo's reasons for a graph break at a read of a tensor's value on the host
+# (``.tolist()``, ``.item()``, ``int(t)``: ``aten._local_scalar_dense``)
+_HOST_READ = re.compile(r"_local_scalar_dense|tolist|\.item\(|data.dependent", re.IGNORECASE)
+
+
+def host_read_breaks() -> list[str]:
+    """The first lines of the graph-break reasons Dynamo recorded in this process that are
+    host reads of tensor values (split sizes from ``.tolist()``, a scalar from ``.item()``)."""
+    from torch._dynamo.utils import counters
+
+    out = []
+    for reason in counters.get("graph_break", {}):
+        if _HOST_READ.search(reason):
+            ctx = re.search(r"Developer debug context:\s*(\S+)", reason)
+            out.append(reason.strip().splitlines()[0] + (f" at {ctx.group(1)}" if ctx else ""))
+    return out
+
+
+def _has_all_to_all(gm: torch.fx.GraphModule) -> bool:
+    """Whether the Dynamo graph runs an all-to-all (a functional collective or fxoverlap's ops)."""
+    return any(n.op == "call_function" and ("all_to_all" in str(n.target) or "fxoverlap" in str(n.target))
+               for n in gm.graph.nodes)
+
+
+def graph_break_hint() -> str | None:
+    """Why a graph holds no whole decoder layer when Dynamo broke graphs at host reads, and the fix."""
+    breaks = host_read_breaks()
+    if not breaks:
+        return None
+    return (
+        f"a graph break split the decoder layers: Dynamo broke the graph at a host read of a tensor value "
+        f"({breaks[0]!r}: e.g. all-to-all split sizes from .tolist()), so each graph holds a piece of a layer, "
+        f"and no graph a whole layer with its all-to-alls to overlap. Fixes: fxoverlap's dispatch/combine ops "
+        f"(fxoverlap.ops) with a static, sync-free dispatcher (OverlapConfig(dispatcher='padded' | 'symm_mem'), "
+        f"torch.compile(..., options={{'dispatcher': 'padded'}})), which read no split sizes on the host; "
+        f"torch._dynamo.config.capture_scalar_outputs = True, which keeps the host read inside the graph; "
+        f"or fxoverlap.optimize(model, ep_group), which traces the whole step without graph breaks"
+    )
+
+
 def _check_supported(gm: torch.fx.GraphModule, example_inputs) -> None:
     for i, t in enumerate(example_inputs):
         if not isinstance(t, torch.Tensor):
@@ -620,12 +669,21 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig
             "capacity (the default) under torch.compile, or fxoverlap.optimize")
     _check_supported(gm, example_inputs)
     diff = {n.name for n, t in zip(gm.graph.find_nodes(op="placeholder"), example_inputs) if t.requires_grad}
-    info = annotate_layers(gm, diff, config.layer_container)
+    infos = annotate_layers(gm, diff, config.layer_container)
     wrapper = _GraphStep(gm, example_inputs)
     plain = [example_inputs[i] for i in wrapper.plain_index]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # tag's "no layers found" is reported below
-        cap = capture(wrapper, plain, scalar_loss=False)
+        # the capture pass chooses the layer list among the candidates, as for fxoverlap.optimize
+        cap = capture(wrapper, plain, scalar_loss=False,
+                      lists={name: info.num_layers for name, info in infos.items()})
+        chosen = cap.layer_choice.container if cap.layer_choice is not None else None
+        info = infos[chosen] if chosen is not None else LayerInfo((), [], {}, {})
+        if not info.in_order:
+            raise _Unsupported(
+                f"the layers of {chosen} do not run one after another (a layer is called "
+                f"twice or interleaved with another); fxoverlap schedules each layer once per step"
+            )
         if cap.subclass_placeholders or any(path for _, path in cap.input_parts.values()):
             raise _Unsupported("a graph input is a tensor subclass (a DTensor?); the backend runs plain "
                                "tensors: use fxoverlap.optimize(model, ep_group), which takes DTensor "
@@ -636,6 +694,8 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig
         )
         device = next((t.device for t in example_inputs if t.requires_grad), example_inputs[0].device)
         stages = build_stages(cap, config, device.type)
+    if info.num_layers == 0 and _has_all_to_all(gm) and (hint := graph_break_hint()) is not None:
+        raise _Unsupported(f"no decoder layer in this graph; {hint}")
     program = build_program(stages, cap, 1, config)
     if info.num_layers == 0:
         log.warning("fxoverlap backend: no decoder layers found in the graph; one stage per direction, no overlap")
@@ -656,6 +716,9 @@ def fxoverlap_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | 
         return _fallback(gm, str(e))
     except Exception as e:  # a pass could not handle the graph: never a wrong answer
         log.debug("fxoverlap backend: compile failed", exc_info=True)
+        hint = graph_break_hint() if "outside every decoder layer" in str(e) else None
+        if hint is not None:  # the layer is a fragment: the graph break is the cause, not the model
+            return _fallback(gm, f"{hint} (the pass said: {type(e).__name__}: {e})")
         return _fallback(gm, f"{type(e).__name__}: {e}")
     _last = step
     log.info("fxoverlap backend: %d stages\n%s", len(step.stages), step.stage_table())

@@ -59,8 +59,9 @@ class OverlapConfig:
         compile_options: Inductor config patches for the compiled stages, as
             ``torch.compile(options=...)`` takes them (e.g. ``{"max_autotune": True}``).
         layer_container: attribute path of the model's list of decoder layers
-            (e.g. ``"layers"``). ``None``: the largest ``nn.ModuleList`` /
-            ``nn.ModuleDict`` in the model.
+            (e.g. ``"layers"``). ``None``: the outermost ``nn.ModuleList`` /
+            ``nn.ModuleDict`` whose entries hold every all-to-all (``passes/layers.py``;
+            with none, the outermost with the most entries), for both entry points.
         side_stages: split each MoE layer's attn work into what its dispatch needs
             and the rest (shared expert, routing weights), which runs under the
             dispatch; likewise in the backward under the combine (``passes/side.py``).

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,53 @@ class PlanView:
         return format_stage_table(self.stages)
 
 
+class InputError(TypeError):
+    """``microbatches`` or a group passed to fxoverlap has the wrong type or shape of call;
+    the message says what was passed and what is expected."""
+
+
+class MicrobatchMismatch(ValueError):
+    """The ranks of the EP group called ``forward_backward`` with different microbatch counts
+    or input structures; raised on every rank, naming each rank's call."""
+
+
 def _as_tuple(mb) -> tuple:
     return (mb,) if isinstance(mb, torch.Tensor) else tuple(mb)
+
+
+def check_group(group: object, name: str) -> None:
+    """``group`` must be a ``torch.distributed.ProcessGroup`` or None."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    hint = ""
+    if type(group).__name__ == "DeviceMesh":
+        hint = " (a DeviceMesh: pass mesh['<dim>'].get_group())"
+    elif isinstance(group, int):
+        hint = " (a rank or group size? pass the group itself, e.g. dist.group.WORLD or dist.new_group(ranks))"
+    raise InputError(f"fxoverlap.optimize: {name} is {group!r}, of type {type(group).__name__}{hint}; it must be "
+                     f"a torch.distributed.ProcessGroup or None")
+
+
+def _check_call(model: nn.Module, loss_fn: Callable | None, mb: tuple, what: str) -> None:
+    """``model(*mb)`` and ``loss_fn(output, *mb)`` must bind: say what was passed and what they take."""
+    for fn, args, call in ((model.forward, mb, f"{type(model).__name__}.forward"),
+                           (loss_fn, (None, *mb), "loss_fn")):
+        if fn is None:
+            continue
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin or C function: nothing to check
+            continue
+        try:
+            sig.bind(*args)
+        except TypeError as e:
+            shown = f"model(*microbatch)" if fn is not loss_fn else f"loss_fn(output, *microbatch)"
+            raise InputError(
+                f"{what}: microbatch 0 has {len(mb)} tensor(s) {_describe(mb)}, and fxoverlap calls {shown}, but "
+                f"{call}{sig} does not take them ({e}). Each microbatch is a tuple of the model's positional "
+                f"inputs; loss_fn gets the output and the same tuple: e.g. microbatches [(tokens, labels), ...] "
+                f"for forward(self, tokens, labels), or [(tokens,), ...] with loss_fn=lambda out, tokens: ..."
+            ) from None
 
 
 def _check_expert_split(model: nn.Module, ep_group: dist.ProcessGroup | None) -> None:
@@ -68,6 +114,8 @@ class Engine:
 
     def __init__(self, model: nn.Module, ep_group: dist.ProcessGroup | None, config: OverlapConfig,
                  dp_group: dist.ProcessGroup | None = None, expert_dp_group: dist.ProcessGroup | None = None):
+        for group, name in ((ep_group, "ep_group"), (dp_group, "dp_group"), (expert_dp_group, "expert_dp_group")):
+            check_group(group, name)
         _check_expert_split(model, ep_group)
         self.model, self.ep_group, self.config = model, ep_group, config
         groups = check_groups(ep_group, dp_group, expert_dp_group)
@@ -77,6 +125,7 @@ class Engine:
         # data parallelism: the gradient reductions inside the program (None: p.grad stays local)
         self.grad_reduction = None if groups is None else GradReduction(groups, config.grad_reduce)
         self._plans: dict[tuple, Plan] = {}
+        self._agreed: set[tuple] = set()  # (signature, microbatch count) the EP ranks agreed on
         self._last: tuple[Plan, int] | None = None
         self.memory_trace: list[tuple[str, int, int]] = []
         self.leftover: dict[int, list[str]] = {}  # record_memory: values left in the stores at the end
@@ -123,17 +172,35 @@ class Engine:
         run, without running it: the stages and the program. With data parallelism it also
         fixes the gradient buckets (so :meth:`shard_parameters` is known), checking with the
         other ranks of each group that they bucket alike."""
-        mbs = self._check(microbatches)
+        mbs = self._check(microbatches, loss_fn, "plan")
         plan = self._plan(mbs[0], loss_fn, train=True)
         if self.grad_reduction is not None:
             self._runner(plan, len(mbs))  # binds the buckets (every rank of the groups must call plan)
         return PlanView(plan.capture, plan.stages, self._program(plan, len(mbs)))
 
     # ---------------------------------------------------------------- running
-    def _check(self, microbatches: Sequence) -> list[tuple]:
+    def _check(self, microbatches: Sequence, loss_fn: Callable | None = None,
+               what: str = "forward_backward") -> list[tuple]:
+        """The microbatches as tuples, checked against each other, the call contract
+        (``model(*mb)``, ``loss_fn(output, *mb)``) and, the first time, the other EP ranks."""
+        if isinstance(microbatches, torch.Tensor):
+            raise InputError(
+                f"{what}: microbatches is a tensor of shape {list(microbatches.shape)}, not a list of "
+                f"microbatches (fxoverlap would iterate over its rows); pass a list, each entry a tuple of the "
+                f"model's inputs: [(tokens0, labels0), (tokens1, labels1)], or [tokens0, tokens1] for one input"
+            )
+        if isinstance(microbatches, tuple) and microbatches and all(isinstance(t, torch.Tensor) for t in microbatches):
+            raise InputError(
+                f"{what}: microbatches is a tuple of {len(microbatches)} tensors {_describe(microbatches)}: one "
+                f"microbatch without its list? Pass a list of microbatches: [(tokens, labels)] for one "
+                f"microbatch of two inputs, or a list [t0, t1] for microbatches of one tensor each"
+            )
+        if not isinstance(microbatches, Iterable):
+            raise InputError(f"{what}: microbatches is a {type(microbatches).__name__}; pass a list of "
+                             f"microbatches, each a tuple of the model's inputs")
         mbs = [_as_tuple(mb) for mb in microbatches]
         if not mbs:
-            raise ValueError("forward_backward: got an empty list of microbatches; pass at least one")
+            raise ValueError(f"{what}: got an empty list of microbatches; pass at least one")
         sig0 = input_signature(mbs[0])
         for i, mb in enumerate(mbs[1:], 1):
             if input_signature(mb) != sig0:
@@ -142,7 +209,32 @@ class Engine:
                     f"{_describe(mbs[0])}; all microbatches of one call must share shapes and dtypes "
                     f"(a later call may use new shapes: it is captured anew)"
                 )
+        key = (input_signature(mbs[0]), len(mbs))
+        if key not in self._agreed:  # a call fxoverlap plans for: check once, before capturing
+            _check_call(self.model, loss_fn, mbs[0], what)
+            self._agree(mbs, what)
+            self._agreed.add(key)
         return mbs
+
+    def _agree(self, mbs: list[tuple], what: str) -> None:
+        """Every rank of the EP group plans the same microbatch count and input structure
+        (number of tensors, dtypes, dims; shapes may differ): one small all-gather, so that a
+        mismatch is this clear error on every rank instead of a collective mismatch that
+        kills one rank and leaves the other with a reset connection."""
+        group = self.ep_group
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        mine = (len(mbs), tuple((str(t.dtype), t.dim()) for t in mbs[0]), _describe(mbs[0]))
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        if len({(n, structure) for n, structure, _ in every}) > 1:
+            ranks = dist.get_process_group_ranks(group)
+            calls = "; ".join(f"rank {r}: {n} microbatch(es) of {d}" for r, (n, _, d) in zip(ranks, every))
+            raise MicrobatchMismatch(
+                f"{what}: the ranks of the expert-parallel group disagree on the microbatches ({calls}). "
+                f"Every EP rank runs the same program, with the same all-to-alls: give each rank the same number "
+                f"of microbatches with the same inputs (dtypes and dims; shapes may differ)"
+            )
 
     def forward_backward(
         self, microbatches: Sequence, loss_fn: Callable | None = None
@@ -156,7 +248,7 @@ class Engine:
         groups, overlapped with the last microbatch's backward (see :meth:`grad_table`);
         every reduction has finished when this returns.
         """
-        mbs = self._check(microbatches)
+        mbs = self._check(microbatches, loss_fn)
         plan = self._plan(mbs[0], loss_fn, train=True)
         runner = self._runner(plan, len(mbs))
         self._last = (plan, len(mbs))
@@ -250,7 +342,8 @@ class Engine:
 
 
 def _describe(mb: Sequence[torch.Tensor]) -> str:
-    return "(" + ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in mb) + ")"
+    return "(" + ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" if isinstance(t, torch.Tensor)
+                           else type(t).__name__ for t in mb) + ")"
 
 
 def format_stage_table(stages: Sequence[Stage]) -> str:

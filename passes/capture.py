@@ -3,7 +3,8 @@
 Contract
 --------
 Assumes: the model's decoder layers are the entries of one ``nn.ModuleList`` or
-``nn.ModuleDict`` (found by size, or named by ``OverlapConfig.layer_container``),
+``nn.ModuleDict`` (the outermost list whose entries hold every all-to-all, chosen by
+``passes/layers.py``, or named by ``OverlapConfig.layer_container``),
 called once each per forward; the inputs are tensors; the loss is a scalar tensor
 (``scalar_loss=False``, for the torch.compile backend: any tensor outputs). Buffers
 and inputs the forward updates in place (a load-balance counter, a running
@@ -37,11 +38,12 @@ real data and nothing is communicated. A model that cannot be traced raises
 
 Steps
 -----
-1. Refuse FSDP2-wrapped modules; find the decoder layers (``find_layers``).
+1. Refuse FSDP2-wrapped modules; find the candidate layer lists (``find_layers``).
 2. Trace the train step (``_TrainStep``: model + loss) under forward hooks that
    annotate each layer's and child's ops (``_annotate_layers``) and with checkpoint
    calls marked (``_mark_checkpoints``).
-3. Give each handed-out value a node of its own (``_distinct_sink_values``).
+3. Choose the layer list from where the all-to-alls ran (``layers.choose_container``)
+   and keep only its annotations (``layers.resolve``). Give each handed-out value a node of its own (``_distinct_sink_values``).
 4. Name placeholders and outputs by role from AOTAutograd's descriptors and the
    subclass layouts of the gradients (``_roles``, ``_grad_layouts``).
 
@@ -54,14 +56,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from fxoverlap.meta import CHECKPOINT_KEY, CHILD_KEY, LAYER_KEY
+from fxoverlap.meta import CHECKPOINT_KEY
+from fxoverlap.passes.layers import LIST_KEY, Choice, choose_container, resolve
 
 
 class CaptureError(RuntimeError):
@@ -147,6 +150,7 @@ class Capture:
     grad_layouts: dict[str, SubclassLayout] = dataclasses.field(default_factory=dict)
     grad_opaque: dict[tuple[str, tuple[str, ...]], str] = dataclasses.field(default_factory=dict)
     # (FQN, attribute path) of an opaque gradient leaf -> the placeholder that holds it
+    layer_choice: Choice | None = None  # the layer list chosen, and the candidates considered
 
     @property
     def loss_name(self) -> str:
@@ -164,24 +168,30 @@ class Capture:
         return {ph: inner_value(microbatch[i], path) for ph, (i, path) in self.input_parts.items()}
 
 
-def find_layers(model: nn.Module, container: str | None) -> tuple[str, list[nn.Module]] | None:
-    """The model's decoder layers: ``container`` if given, else the largest module list."""
+def find_layers(model: nn.Module, container: str | None) -> dict[str, list[nn.Module]]:
+    """The candidate decoder-layer lists of ``model``, path -> entries: ``container`` alone if
+    given, else every ``nn.ModuleList`` / ``nn.ModuleDict`` with entries that have parameters
+    (the pass ``layers.choose_container`` picks among them from where the all-to-alls ran)."""
     if container is not None:
-        mod = model.get_submodule(container)
+        try:
+            mod = model.get_submodule(container)
+        except AttributeError as e:
+            raise CaptureError(f"OverlapConfig(layer_container={container!r}): {e}; name the attribute path of "
+                               f"the model's list of decoder layers (e.g. 'layers' or 'model.layers')") from e
         if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
             raise CaptureError(
-                f"OverlapConfig.layer_container={container!r} names a {type(mod).__name__}, "
+                f"OverlapConfig(layer_container={container!r}) names a {type(mod).__name__}, "
                 f"not an nn.ModuleList or nn.ModuleDict of layers"
             )
-        return container, list(mod.values() if isinstance(mod, nn.ModuleDict) else mod)
-    best: tuple[str, list[nn.Module]] | None = None
+        return {container: list(mod.values() if isinstance(mod, nn.ModuleDict) else mod)}
+    found: dict[str, list[nn.Module]] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
             kids = list(mod.values() if isinstance(mod, nn.ModuleDict) else mod)
             kids = [k for k in kids if any(True for _ in k.parameters())]
-            if kids and (best is None or len(kids) > len(best[1])):
-                best = (name, kids)
-    return best
+            if kids:
+                found[name] = kids
+    return found
 
 
 def input_signature(inputs: Sequence[torch.Tensor]) -> tuple:
@@ -307,29 +317,34 @@ def _mark_checkpoints():
 
 
 @contextlib.contextmanager
-def _annotate_layers(layers: list[nn.Module], param_children: dict[int, set[str]]):
-    """Annotate each layer's ops with its index, and each child's ops with its name."""
+def _annotate_layers(lists: dict[str, list[nn.Module]], param_children: dict[str, dict[int, set[str]]]):
+    """Annotate the ops of each candidate list's entry ``i`` (and of its children) with
+    ``{LIST_KEY: {list: (i, child)}}``; ``param_children[list][i]``: the children with
+    parameters that ran. A module in two lists (or nested lists) gets both entries."""
     handles, open_ctx = [], []
 
-    def enter(meta: dict):
-        cm = fx_traceback.annotate(meta)
+    def enter(name: str, value: tuple[int, str | None]):
+        current = dict((fx_traceback.get_current_meta().get("custom") or {}).get(LIST_KEY) or {})
+        current[name] = value
+        cm = fx_traceback.annotate({LIST_KEY: current})
         cm.__enter__()
         open_ctx.append(cm)
 
     def leave(*_):
         open_ctx.pop().__exit__(None, None, None)
 
-    for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: enter({LAYER_KEY: i})))
-        handles.append(layer.register_forward_hook(leave))
-        for name, child in unwrap(layer).named_children():
-            def pre(m, a, i=i, name=name, has_params=any(True for _ in child.parameters())):
-                if has_params:
-                    param_children.setdefault(i, set()).add(name)
-                enter({CHILD_KEY: name})
+    for lname, layers in lists.items():
+        for i, layer in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(lambda m, a, lname=lname, i=i: enter(lname, (i, None))))
+            handles.append(layer.register_forward_hook(leave))
+            for name, child in unwrap(layer).named_children():
+                def pre(m, a, lname=lname, i=i, name=name, has_params=any(True for _ in child.parameters())):
+                    if has_params:
+                        param_children.setdefault(lname, {}).setdefault(i, set()).add(name)
+                    enter(lname, (i, name))
 
-            handles.append(child.register_forward_pre_hook(pre))
-            handles.append(child.register_forward_hook(leave))
+                handles.append(child.register_forward_pre_hook(pre))
+                handles.append(child.register_forward_hook(leave))
     try:
         yield
     finally:
@@ -363,13 +378,16 @@ def capture(
     layer_container: str | None = None,
     train: bool = True,
     scalar_loss: bool = True,
+    lists: Mapping[str, int] | None = None,
 ) -> Capture:
     """Trace one train step of ``model`` on inputs shaped like ``inputs``; no data is used.
 
     ``train=False`` traces the forward alone (no loss, no backward): the graph
     returns the model's output and the capture has no tangents or gradients.
     ``scalar_loss=False`` accepts any tensor outputs (each differentiable one gets a
-    tangent placeholder) instead of requiring one scalar loss.
+    tangent placeholder) instead of requiring one scalar loss. ``lists`` (path -> entry
+    count): the candidate layer lists the caller has already annotated on the nodes it
+    traces (``layers.LIST_KEY``), instead of this pass's hooks on the model's lists.
     """
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -382,15 +400,18 @@ def capture(
                 f"(bind other arguments into the model or loss_fn)"
             )
     _reject_fsdp(model)
-    found = find_layers(model, layer_container)
-    layer_names, layers = (found[0], found[1]) if found else ("", [])
-    param_children: dict[int, set[str]] = {}
+    if lists is None:
+        candidates = find_layers(model, layer_container)
+        sizes = {name: len(layers) for name, layers in candidates.items()}
+    else:  # annotated by the caller (the torch.compile backend, from nn_module_stack)
+        candidates, sizes = {}, dict(lists)
+    param_children: dict[str, dict[int, set[str]]] = {}
     step = _TrainStep(model, loss_fn, scalar_loss) if train else _Forward(model)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()
     try:
-        with (fx_traceback.preserve_node_meta(), _annotate_layers(layers, param_children), _mark_checkpoints(),
+        with (fx_traceback.preserve_node_meta(), _annotate_layers(candidates, param_children), _mark_checkpoints(),
               contextlib.ExitStack() as stack, grad_mode):
             joint = aot_export_joint_with_descriptors(stack, step, fake_inputs)
     except CaptureError:
@@ -410,6 +431,10 @@ def capture(
         raise CaptureError(hint) from e
     gm = joint.graph_module
     gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, flat tuple out
+    # the decoder layers: where the all-to-alls ran decides among the candidate lists
+    choice = choose_container(gm, sizes)
+    resolve(gm, choice.container)
+    num_layers = 0 if choice.container is None else sizes[choice.container]
     _distinct_sink_values(gm)
     gm.recompile()
     roles = _roles(gm, train, _grad_layouts(joint))
@@ -421,10 +446,11 @@ def capture(
         graph_module=gm,
         fake_mode=traced,
         **roles,
-        num_layers=len(layers),
-        layer_names=[f"{layer_names}.{i}" for i in range(len(layers))],
-        param_children=param_children,
+        num_layers=num_layers,
+        layer_names=[f"{choice.container}.{i}" for i in range(num_layers)],
+        param_children=param_children.get(choice.container, {}) if choice.container is not None else {},
         signature=input_signature(inputs),
+        layer_choice=choice,
     )
 
 

@@ -319,6 +319,20 @@ def _finish(gm: torch.fx.GraphModule, tags: dict, num_layers: int) -> torch.fx.G
     return gm
 
 
+def _outside_error(n: torch.fx.Node, capture: Capture) -> str:
+    """Why an all-to-all is in no layer, with the lists considered and ``layer_container=``."""
+    container = capture.layer_names[0].rsplit(".", 1)[0] if capture.layer_names else None
+    choice = capture.layer_choice
+    considered = f" Layer lists considered: {choice.describe()}." if choice is not None else ""
+    return (
+        f"node {n.name} ({op_name(n)}) is an all-to-all outside every decoder layer of {container!r}: no "
+        f"nn.ModuleList/ModuleDict of the model holds every all-to-all in its entries.{considered} "
+        f"fxoverlap schedules communication per layer: move the all-to-all into a decoder layer, compute it "
+        f"outside the captured step, or name the decoder-layer list with "
+        f"OverlapConfig(layer_container='<path>') (torch.compile: options={{'layer_container': '<path>'}})"
+    )
+
+
 def tag(capture: Capture) -> torch.fx.GraphModule:
     gm = capture.graph_module
     nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr")]
@@ -327,7 +341,7 @@ def tag(capture: Capture) -> torch.fx.GraphModule:
         warnings.warn(
             "fxoverlap: no decoder layers found (no nn.ModuleList/ModuleDict of modules with "
             "parameters); falling back to one stage per direction, with no overlap. Set "
-            "OverlapConfig.layer_container to the attribute that holds the layers.",
+            "OverlapConfig(layer_container='<path>') to the attribute that holds the layers.",
             stacklevel=3,
         )
         return _finish(gm, {n: Tag(_direction(n), 0, StageKind.HEAD) for n in nodes}, 0)
@@ -339,12 +353,7 @@ def tag(capture: Capture) -> torch.fx.GraphModule:
         if layer is not None:
             by_layer.setdefault(layer, []).append(n)
         elif _is_comm(n):
-            raise TagError(
-                f"node {n.name} ({op_name(n)}) is an all-to-all outside every decoder layer; fxoverlap "
-                f"schedules communication per layer. Move it into a layer of "
-                f"{capture.layer_names[0].rsplit('.', 1)[0] or 'the layer list'}, or compute it outside "
-                f"the captured step"
-            )
+            raise TagError(_outside_error(n, capture))
     tags: dict[torch.fx.Node, Tag | None] = {}
     for layer, layer_nodes in by_layer.items():
         tags.update(_tag_layer(layer, layer_nodes, capture))

@@ -47,3 +47,20 @@ def bad_expert_split(rank: int, world: int) -> tuple[str, str]:
     except ValueError as e:
         msgs[1] = str(e)
     return tuple(msgs)
+
+
+def microbatch_count_mismatch(rank: int, world: int) -> tuple[str, str, bool, float]:
+    """Rank 0 passes 3 microbatches, rank 1 passes 2: both must raise the agreement error.
+    The EP group's 60 s timeout bounds the test if the check were missing (gloo would then
+    fail, or kill a rank, in the program's first all-to-all instead)."""
+    from datetime import timedelta
+
+    group = dist.new_group(timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    engine = fxoverlap.optimize(MoETransformer(MoEConfig.tiny(), group), group)
+    start = time.monotonic()
+    try:
+        engine.forward_backward(make_batches(rank, 256, 3 if rank == 0 else 2))
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return type(e).__name__, str(e), isinstance(e, ValueError), time.monotonic() - start
+    return "no error", "", False, time.monotonic() - start

@@ -1,0 +1,103 @@
+"""layers: the one decoder-layer finder both entry points use.
+
+Contract
+--------
+Assumes: a joint graph whose forward nodes carry, under ``node.meta["custom"][LIST_KEY]``,
+``{container: (entry, child)}`` for every candidate layer list they ran inside: the
+capture pass's hooks write it for ``fxoverlap.optimize`` (every ``nn.ModuleList`` /
+``nn.ModuleDict`` whose entries have parameters), the torch.compile backend from the
+Dynamo nodes' ``nn_module_stack`` (every list with integer children).
+
+Guarantees: :func:`choose_container` picks the decoder-layer list as a user means it:
+the *outermost* candidate whose entries together hold every all-to-all (entries without
+one, dense layers, are allowed); among several such (no all-to-all at all, sibling
+lists), the one with the most entries. Not the longest list: a layer's experts in an
+``nn.ModuleList`` are longer than the layer list in many models. When no candidate holds
+every all-to-all it returns the one that holds the most, with ``complete=False``, and the
+tag pass raises a ``TagError`` naming ``layer_container=`` and every candidate considered.
+:func:`resolve` then rewrites the annotations of the chosen list into ``{LAYER_KEY: i,
+CHILD_KEY: child}`` and drops the rest, so later passes see exactly one layer list.
+
+Entry points: ``choose_container(gm, sizes) -> Choice``, ``resolve(gm, container)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+import torch.fx
+
+from fxoverlap.meta import CHILD_KEY, LAYER_KEY
+
+# node.meta["custom"][LIST_KEY]: {container path: (entry index, child name or None)}
+LIST_KEY = "fxoverlap_lists"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The layer list chosen and why: ``considered`` lists every candidate (its path and
+    entry count), ``complete`` whether the chosen one holds every all-to-all, ``outside``
+    the name and op of an all-to-all it does not hold (when not complete)."""
+
+    container: str | None
+    considered: tuple[tuple[str, int], ...]
+    complete: bool = True
+    outside: str | None = None
+
+    def describe(self) -> str:
+        """The candidates as ``'blocks' (2 entries), 'blocks.0.ffn.experts' (4 entries)``."""
+        return ", ".join(f"{c!r} ({n} entries)" for c, n in self.considered) or "none"
+
+
+def lists_of(node: torch.fx.Node) -> Mapping[str, tuple[int, str | None]]:
+    """The candidate lists ``node`` ran inside, each with its entry and child."""
+    return (node.meta.get("custom") or {}).get(LIST_KEY) or {}
+
+
+def _inside(inner: str, outer: str) -> bool:
+    return inner != outer and (outer == "" or inner.startswith(outer + "."))
+
+
+def choose_container(gm: torch.fx.GraphModule, sizes: Mapping[str, int]) -> Choice:
+    """The decoder-layer list among the candidates ``sizes`` (path -> entry count)."""
+    from fxoverlap.passes.tag import _direction, _is_comm  # tag imports capture, which imports this
+    from fxoverlap.stage import Direction
+
+    considered = tuple(sorted(sizes.items()))
+    if not sizes:
+        return Choice(None, considered)
+    comm = [n for n in gm.graph.nodes if n.op == "call_function" and _direction(n) is Direction.FWD and _is_comm(n)]
+    held = {c: sum(1 for n in comm if c in lists_of(n)) for c in sizes}
+    holders = [c for c in sizes if held[c] == len(comm)]
+    complete = bool(holders)
+    if not holders:  # best effort for the error the tag pass raises: the list holding the most
+        top = max(held.values())
+        holders = [c for c in sizes if held[c] == top]
+    outer = [c for c in holders if not any(_inside(c, o) for o in holders)]
+    best = max(outer, key=lambda c: (sizes[c], -len(c)))
+    outside = None
+    if not complete:
+        from fxoverlap.meta import op_name
+
+        n = next(n for n in comm if best not in lists_of(n))
+        outside = f"{n.name} ({op_name(n)})"
+    return Choice(best, considered, complete, outside)
+
+
+def resolve(gm: torch.fx.GraphModule, container: str | None) -> None:
+    """Keep ``container``'s annotations as ``{LAYER_KEY, CHILD_KEY}``; drop every candidate's."""
+    for n in gm.graph.nodes:
+        meta = n.meta.get("custom")
+        if not meta or LIST_KEY not in meta:
+            continue
+        lists = meta.pop(LIST_KEY)
+        if container is not None and container in lists:
+            entry, child = lists[container]
+            mine = {LAYER_KEY: entry} if child is None else {LAYER_KEY: entry, CHILD_KEY: child}
+            meta = {**mine, **meta}
+        if meta:
+            n.meta["custom"] = meta
+        else:
+            del n.meta["custom"]
