@@ -6,7 +6,7 @@ from fxoverlap.engine import Engine, InputError, MicrobatchMismatch, optimize
 from fxoverlap.expert_parallel import expert_parallel
 from fxoverlap.region import region
 from fxoverlap.runtime import StageFailed
-from fxoverlap.stage import Direction, Stage, StageKind, StreamKind
+from fxoverlap.ir.stage import Direction, Stage, StageKind, StreamKind
 
 __all__ = ["DispatchOverflow", "Engine", "InputError", "MicrobatchMismatch", "optimize", "expert_parallel", "OverlapConfig", "region", "StageFailed", "Direction", "Stage", "StageKind", "StreamKind"]
 __version__ = "0.1.0"

@@ -91,12 +91,12 @@ import torch.nn as nn
 
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
-from fxoverlap.meta import CHECKPOINT_KEY
+from fxoverlap.ir.meta import CHECKPOINT_KEY
 from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
-from fxoverlap.passes.layers import LIST_KEY
+from fxoverlap.ir.meta import LIST_KEY
 from fxoverlap.pipeline import build_program, build_stages
 from fxoverlap.runtime import ProgramRunner
-from fxoverlap.stage import Stage
+from fxoverlap.ir.stage import Stage
 
 __all__ = [
     "SEGMENT_MIN_GRAD_BYTES",

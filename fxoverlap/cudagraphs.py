@@ -104,10 +104,10 @@ import torch
 import torch.fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fxoverlap.meta import STEP_KEY
-from fxoverlap.program_ops import stage_calls, steps
+from fxoverlap.ir.meta import STEP_KEY
+from fxoverlap.ir.program import stage_calls, steps
 from fxoverlap.runtime import storage_key
-from fxoverlap.stage import Stage
+from fxoverlap.ir.stage import Stage
 
 log = logging.getLogger("fxoverlap")
 

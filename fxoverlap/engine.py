@@ -17,10 +17,10 @@ from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.dispatch_ops import overflow_guard
 from fxoverlap.grad_reduce import GradReduction, check_groups
 from fxoverlap.passes.capture import Capture, capture, input_signature
-from fxoverlap.passes.reduce import Bucket
+from fxoverlap.ir.bucket import Bucket
 from fxoverlap.pipeline import build_program, build_stages
 from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
-from fxoverlap.stage import Stage
+from fxoverlap.ir.stage import Stage
 
 log = logging.getLogger("fxoverlap")
 

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxoverlap.passes.capture import Capture
-from fxoverlap.passes.reduce import Bucket
+from fxoverlap.ir.capture import Capture
+from fxoverlap.ir.bucket import Bucket
 
 # torch 2.13 names them reduce_scatter_single / all_gather_single (the old names warn);
 # an older torch (the GPU machine has 2.11) may have only reduce_scatter_tensor / all_gather_into_tensor

@@ -12,13 +12,16 @@ the gradient reductions before ``streams`` and ``free`` add their events and fre
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import torch
 import torch.fx
+import torch.nn as nn
 
 from fxoverlap.config import OverlapConfig
-from fxoverlap.meta import SAVED_COMM_KEY
-from fxoverlap.passes.capture import Capture
+from fxoverlap.ir.capture import Capture
+from fxoverlap.ir.meta import SAVED_COMM_KEY
+from fxoverlap.ir.stage import Stage
 from fxoverlap.passes.cudagraph import cudagraph
 from fxoverlap.passes.dispatcher import dispatcher
 from fxoverlap.passes.free import free
@@ -31,7 +34,7 @@ from fxoverlap.passes.side import side
 from fxoverlap.passes.split import split
 from fxoverlap.passes.streams import streams
 from fxoverlap.passes.tag import tag
-from fxoverlap.stage import Stage
+from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
 
 
 def _progress(msg: str) -> None:
@@ -74,3 +77,14 @@ def build_program(stages: list[Stage], capture: Capture, num_microbatches: int, 
     if config.free_early:
         program = free(program, capture)
     return program
+
+
+def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
+              inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One microbatch, stages in plain order (all forward, then all backward), gradients
+    into ``p.grad``; returns the loss. The reference the interleaved program must equal."""
+    program = free(schedule(list(stages), capture, 1), capture)
+    device = next(model.parameters()).device
+    runner = ProgramRunner(program, stages, capture, device, grads=accumulate_into(model, capture))
+    state = runner.run(static_values(capture, model), [inputs])
+    return state.outputs[0][capture.loss_name]

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch.fx.traceback as fx_traceback
 
-from fxoverlap.meta import REGION_KEY
+from fxoverlap.ir.meta import REGION_KEY
 
 REGIONS = frozenset({"mhc", "dispatch", "combine", "experts"})
 

@@ -22,11 +22,11 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap import program_ops
-from fxoverlap.meta import STEP_KEY
-from fxoverlap.passes.capture import Capture, inner_value
-from fxoverlap.program_ops import Step, bucket_value
-from fxoverlap.stage import Direction, Stage, StreamKind
+from fxoverlap.ir import program as program_ops
+from fxoverlap.ir.meta import STEP_KEY
+from fxoverlap.ir.capture import Capture, inner_value
+from fxoverlap.ir.program import Step, bucket_value
+from fxoverlap.ir.stage import Direction, Stage, StreamKind
 
 # A hook wraps every stage call: hook(node, stage, run) must call run() (which
 # runs the stage on its inputs, on its stream) and return its outputs.
@@ -357,20 +357,6 @@ class ProgramRunner:
     def finish_reduce(self, mb: int, bucket: int) -> None:
         with self._ctx(StreamKind.COMP):
             self.reducer.finish(self._state.stores[mb][bucket_value(bucket)], self.streams.get(StreamKind.COMP))
-
-
-def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
-              inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One microbatch, stages in plain order (all forward, then all backward), gradients
-    into ``p.grad``; returns the loss. The reference the interleaved program must equal."""
-    from fxoverlap.passes.free import free
-    from fxoverlap.passes.schedule import schedule
-
-    program = free(schedule(list(stages), capture, 1), capture)
-    device = next(model.parameters()).device
-    runner = ProgramRunner(program, stages, capture, device, grads=accumulate_into(model, capture))
-    state = runner.run(static_values(capture, model), [inputs])
-    return state.outputs[0][capture.loss_name]
 
 
 def storage_key(t: torch.Tensor) -> tuple:

@@ -63,109 +63,13 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from fxoverlap.meta import CHECKPOINT_KEY
-from fxoverlap.passes.layers import LIST_KEY, Choice, choose_container, resolve
+from fxoverlap.ir.capture import Capture, Choice, SubclassLayout, inner_value
+from fxoverlap.ir.meta import CHECKPOINT_KEY, LIST_KEY
+from fxoverlap.passes.layers import choose_container, resolve
 
 
 class CaptureError(RuntimeError):
     """The model cannot be captured as it is; the message says why and what to change."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SubclassLayout:
-    """How to rebuild a tensor subclass from its flattened parts with ``__tensor_unflatten__``.
-
-    ``attrs`` lists the subclass's ``__tensor_flatten__`` attributes in order, each
-    with the layout of an inner subclass, or None for a leaf (a plain tensor or an
-    opaque value such as a DTensor's mesh). ``meta``, ``outer_size`` and
-    ``outer_stride`` are what ``__tensor_unflatten__`` takes besides the parts.
-    """
-
-    cls: type
-    attrs: tuple[tuple[str, SubclassLayout | None], ...]
-    meta: object
-    outer_size: tuple[int, ...]
-    outer_stride: tuple[int, ...]
-
-    def leaves(self, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-        """Attribute paths of the leaves, outermost attribute first."""
-        out = []
-        for attr, sub in self.attrs:
-            out.extend(sub.leaves(prefix + (attr,)) if sub is not None else [prefix + (attr,)])
-        return out
-
-    def rebuild(self, leaf: Callable[[tuple[str, ...]], object], prefix: tuple[str, ...] = ()) -> torch.Tensor:
-        """The subclass whose leaf at each attribute path is ``leaf(path)``."""
-        inner = {attr: sub.rebuild(leaf, prefix + (attr,)) if sub is not None else leaf(prefix + (attr,))
-                 for attr, sub in self.attrs}
-        return self.cls.__tensor_unflatten__(inner, self.meta, self.outer_size, self.outer_stride)
-
-
-def inner_value(t, path: tuple[str, ...]):
-    """The flattened part of tensor subclass ``t`` at attribute ``path`` (``t`` for ``()``)."""
-    for attr in path:
-        t = getattr(t, attr)
-    return t
-
-
-@dataclasses.dataclass
-class Capture:
-    """The joint graph of one train step and what its placeholders and outputs mean.
-
-    ``graph_module`` takes ``(*params, *buffers, *inputs, *tangents)`` as plain
-    positional arguments (names in the ``*_placeholders`` fields) and returns a flat
-    tuple. Its values that leave the step are named here by role: ``outputs``
-    (what the step returns: the loss first for a train step), ``grads`` (value ->
-    parameter FQN), ``mutations`` (value -> placeholder it must be copied into: a
-    buffer or input the forward mutates in place). ``tangents`` maps each tangent
-    placeholder to the output it is the gradient of.
-
-    Tensor-subclass parameters and buffers appear as their flattened parts
-    (``subclass_placeholders``), inputs as theirs (``input_parts``); a subclass
-    parameter's gradient leaves the graph as parts too: each part's value is in
-    ``grads`` (-> FQN) and ``grad_parts`` (-> attribute path), and
-    ``grad_layouts[fqn]`` rebuilds the gradient from them (opaque leaves, such as a
-    mesh, come from the placeholder named in ``grad_opaque``).
-    """
-
-    graph_module: torch.fx.GraphModule
-    fake_mode: object  # the FakeTensorMode whose ShapeEnv holds the graph's symbols
-    param_placeholders: dict[str, str]  # placeholder name -> parameter FQN
-    buffer_placeholders: dict[str, str]  # placeholder name -> buffer FQN
-    input_placeholders: list[str]  # the microbatch's tensors (or their parts), in order
-    tangents: dict[str, str]  # tangent placeholder -> output value it seeds
-    outputs: list[str]  # values the step returns, in order
-    grads: dict[str, str]  # gradient value -> parameter FQN
-    mutations: dict[str, str]  # new value -> placeholder (buffer or input) it is copied into
-    num_layers: int
-    layer_names: list[str]
-    param_children: dict[int, set[str]]  # per layer: children with parameters that ran
-    signature: tuple
-    # tensor subclasses (empty for a model of plain tensors)
-    subclass_placeholders: dict[str, tuple[str, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
-    # placeholder -> (FQN of the subclass parameter or buffer, attribute path of the part)
-    input_parts: dict[str, tuple[int, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
-    # input placeholder -> (index of the microbatch tensor, attribute path; () for a plain tensor)
-    grad_parts: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    grad_layouts: dict[str, SubclassLayout] = dataclasses.field(default_factory=dict)
-    grad_opaque: dict[tuple[str, tuple[str, ...]], str] = dataclasses.field(default_factory=dict)
-    # (FQN, attribute path) of an opaque gradient leaf -> the placeholder that holds it
-    layer_choice: Choice | None = None  # the layer list chosen, and the candidates considered
-
-    @property
-    def loss_name(self) -> str:
-        return self.outputs[0]
-
-    @property
-    def static_placeholders(self) -> set[str]:
-        """Placeholders shared by every microbatch: parameters and buffers (or their parts)."""
-        return set(self.param_placeholders) | set(self.buffer_placeholders) | set(self.subclass_placeholders)
-
-    def bind_inputs(self, microbatch: Sequence[torch.Tensor]) -> dict[str, object]:
-        """The input placeholders' values for one microbatch (subclass inputs flattened)."""
-        if not self.input_parts:
-            return dict(zip(self.input_placeholders, microbatch))
-        return {ph: inner_value(microbatch[i], path) for ph, (i, path) in self.input_parts.items()}
 
 
 def find_layers(model: nn.Module, container: str | None) -> dict[str, list[nn.Module]]:

@@ -43,7 +43,7 @@ import logging
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from fxoverlap.stage import Stage, StreamKind
+from fxoverlap.ir.stage import Stage, StreamKind
 
 log = logging.getLogger("fxoverlap")
 

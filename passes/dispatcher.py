@@ -61,7 +61,7 @@ from fxoverlap import ops  # noqa: F401  (registers the generic ops)
 from fxoverlap.config import DEEPEP_DISPATCHERS, DISPATCHERS
 from fxoverlap.dispatch_ops import OVERFLOW_KEY, STATIC_OPS, OverflowFlags, OverflowSite
 from fxoverlap.kernels import a2a
-from fxoverlap.meta import LAYER_KEY
+from fxoverlap.ir.meta import LAYER_KEY
 
 BACKENDS = DISPATCHERS  # one list, fxoverlap/config.py's
 _OVERFLOW_BUFFER = "_fxoverlap_dispatch_overflow"

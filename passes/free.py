@@ -54,9 +54,9 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxoverlap.passes.capture import Capture
-from fxoverlap.program_ops import free as free_op
-from fxoverlap.program_ops import record_event, steps
+from fxoverlap.ir.capture import Capture
+from fxoverlap.ir.program import free as free_op
+from fxoverlap.ir.program import record_event, steps
 
 
 def free(program: torch.fx.GraphModule, capture: Capture) -> torch.fx.GraphModule:

@@ -46,9 +46,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
-from fxoverlap.passes.capture import Capture
+from fxoverlap.ir.capture import Capture
 from fxoverlap.passes.split import launches_kernel
-from fxoverlap.stage import Stage, StreamKind
+from fxoverlap.ir.stage import Stage, StreamKind
 
 log = logging.getLogger("fxoverlap")
 

@@ -29,27 +29,8 @@ from collections.abc import Mapping
 import torch
 import torch.fx
 
-from fxoverlap.meta import CHILD_KEY, LAYER_KEY
-
-# node.meta["custom"][LIST_KEY]: {container path: (entry index, child name or None)}
-LIST_KEY = "fxoverlap_lists"
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """The layer list chosen and why: ``considered`` lists every candidate (its path and
-    entry count), ``complete`` whether the chosen one holds every all-to-all, ``outside``
-    the name and op of an all-to-all it does not hold (when not complete)."""
-
-    container: str | None
-    considered: tuple[tuple[str, int], ...]
-    complete: bool = True
-    outside: str | None = None
-
-    def describe(self) -> str:
-        """The candidates as ``'blocks' (2 entries), 'blocks.0.ffn.experts' (4 entries)``."""
-        return ", ".join(f"{c!r} ({n} entries)" for c, n in self.considered) or "none"
-
+from fxoverlap.ir.capture import Choice
+from fxoverlap.ir.meta import CHILD_KEY, LAYER_KEY, LIST_KEY
 
 def lists_of(node: torch.fx.Node) -> Mapping[str, tuple[int, str | None]]:
     """The candidate lists ``node`` ran inside, each with its entry and child."""
@@ -63,7 +44,7 @@ def _inside(inner: str, outer: str) -> bool:
 def choose_container(gm: torch.fx.GraphModule, sizes: Mapping[str, int]) -> Choice:
     """The decoder-layer list among the candidates ``sizes`` (path -> entry count)."""
     from fxoverlap.passes.tag import _direction, _is_comm  # tag imports capture, which imports this
-    from fxoverlap.stage import Direction
+    from fxoverlap.ir.stage import Direction
 
     considered = tuple(sorted(sizes.items()))
     if not sizes:
@@ -79,7 +60,7 @@ def choose_container(gm: torch.fx.GraphModule, sizes: Mapping[str, int]) -> Choi
     best = max(outer, key=lambda c: (sizes[c], -len(c)))
     outside = None
     if not complete:
-        from fxoverlap.meta import op_name
+        from fxoverlap.ir.meta import op_name
 
         n = next(n for n in comm if best not in lists_of(n))
         outside = f"{n.name} ({op_name(n)})"

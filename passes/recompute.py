@@ -6,7 +6,7 @@ should recompute rather than keep. Two sources, one mechanism:
 * **activation checkpointing** (always on): the ops a non-reentrant
   ``torch.utils.checkpoint`` call ran (``checkpoint(block, x, use_reentrant=False)``,
   ``checkpoint_wrapper``, torchtitan's ``apply_ac``), marked by the capture
-  (:data:`~fxoverlap.meta.CHECKPOINT_KEY`). Under a selective policy
+  (:data:`~fxoverlap.ir.meta.CHECKPOINT_KEY`). Under a selective policy
   (``context_fn=create_selective_checkpoint_contexts(...)``) an op whose
   ``CheckpointPolicy`` is ``MUST_SAVE`` / ``PREFER_SAVE`` stays saved;
 * **hyper-connections** (``OverlapConfig.mhc_recompute_group``): code marked
@@ -68,9 +68,9 @@ import operator
 import torch
 import torch.fx
 
-from fxoverlap.meta import (CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, SAVED_COMM_KEY, TAG_KEY, custom,
+from fxoverlap.ir.meta import (CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, SAVED_COMM_KEY, TAG_KEY, custom,
                             draws_random_numbers, is_host_sync, op_name)
-from fxoverlap.stage import COMM_KINDS, Direction, StageKind, Tag
+from fxoverlap.ir.stage import COMM_KINDS, Direction, StageKind, Tag
 
 
 class RecomputeError(RuntimeError):

@@ -61,59 +61,14 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
-from fxoverlap import program_ops
-from fxoverlap.meta import STEP_KEY, TAG_KEY
-from fxoverlap.passes.capture import Capture
-from fxoverlap.program_ops import Step, bucket_value, steps
-from fxoverlap.stage import StageKind, StreamKind
+from fxoverlap.ir import program as program_ops
+from fxoverlap.ir.meta import STEP_KEY, TAG_KEY
+from fxoverlap.ir.bucket import Bucket, GradSlot, slots_end
+from fxoverlap.ir.capture import Capture
+from fxoverlap.ir.program import Step, bucket_value, steps
+from fxoverlap.ir.stage import StageKind, StreamKind
 
 ALIGN = 64  # elements: each gradient's offset in a flat buffer is a multiple of this
-
-
-@dataclasses.dataclass(frozen=True)
-class GradSlot:
-    """One parameter's gradient in a bucket's flat buffer."""
-
-    param: str  # parameter FQN
-    value: str  # the gradient's value name in the store (a joint-graph output)
-    shape: tuple[int, ...]
-    offset: int  # its first element in the flat buffer
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    """Gradients reduced together: one flat buffer, one collective."""
-
-    index: int
-    role: str  # "dense" (over dp_group) or "expert" (over expert_dp_group)
-    dtype: torch.dtype
-    slots: tuple[GradSlot, ...]
-    after: str  # the stage call whose gradients completed it (its reduction is issued after it)
-
-    @property
-    def numel(self) -> int:
-        """Elements up to the end of the last gradient."""
-        return _end(self.slots)
-
-    def padded_numel(self, ranks: int) -> int:
-        """The flat buffer's length for a group of ``ranks``: a multiple of ``ranks``."""
-        return -(-self.numel // ranks) * ranks
-
-    def shard(self, rank: int, ranks: int) -> tuple[int, int]:
-        """The elements ``[start, stop)`` rank ``rank`` of ``ranks`` owns (reduce-scatter)."""
-        size = self.padded_numel(ranks) // ranks
-        return rank * size, (rank + 1) * size
-
-
-def _end(slots: Sequence[GradSlot]) -> int:
-    return slots[-1].offset + slots[-1].numel
 
 
 def parameter_roles(capture: Capture) -> dict[str, str]:
@@ -194,9 +149,9 @@ def reduce(program: torch.fx.GraphModule, capture: Capture, bucket_bytes: int) -
             shape, dtype = meta[fqn]
             key = (roles[fqn], dtype)
             slots = open_.setdefault(key, [])
-            offset = 0 if not slots else -(-_end(slots) // ALIGN) * ALIGN
+            offset = 0 if not slots else -(-slots_end(slots) // ALIGN) * ALIGN
             slots.append(GradSlot(fqn, v, shape, offset))
-        for key in [k for k, slots in open_.items() if _end(slots) * k[1].itemsize >= bucket_bytes]:
+        for key in [k for k, slots in open_.items() if slots_end(slots) * k[1].itemsize >= bucket_bytes]:
             close(key, node)
             closing.setdefault(node, []).append(buckets[-1].index)
     for key in list(open_):  # what is left closes after the last gradient's node

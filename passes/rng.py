@@ -16,7 +16,7 @@ Assumes: the tagged joint graph (``tag``, optionally ``side``). Forward nodes ar
 eager's execution order (AOTAutograd traces the forward as it runs), so the graph
 order of random ops is the order eager draws in.
 
-Guarantees: every random op (:func:`~fxoverlap.meta.draws_random_numbers`) gets
+Guarantees: every random op (:func:`~fxoverlap.ir.meta.draws_random_numbers`) gets
 ``meta[RNG_ORDER_KEY]``, its index in eager's order of draws. Walking the forward's
 random ops in that order, the plain order of their stages (``Tag.sort_key``: the
 order in which the program issues a microbatch's forward compute stages) never goes
@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxoverlap.meta import RNG_ORDER_KEY, TAG_KEY, draws_random_numbers, op_name
-from fxoverlap.stage import COMM_KINDS, Direction, Part, StageKind, Tag, stage_name
+from fxoverlap.ir.meta import RNG_ORDER_KEY, TAG_KEY, draws_random_numbers, op_name
+from fxoverlap.ir.stage import COMM_KINDS, Direction, Part, StageKind, Tag, stage_name
 
 
 class RngOrderError(RuntimeError):

@@ -6,7 +6,7 @@ Assumes: ``stages`` from ``split`` (plain order), the ``capture`` they came from
 
 Guarantees: a program (``torch.fx.GraphModule``, code readable as a listing) that
 calls every stage once per microbatch, each after the stages whose outputs it
-reads, and records on every node it emits a :class:`~fxoverlap.program_ops.Step`
+reads, and records on every node it emits a :class:`~fxoverlap.ir.program.Step`
 (microbatch, stream, values read and written, slot). Right after a stage call
 that produces them, ``output`` hands the step's outputs (the loss) to the caller,
 ``accumulate`` adds parameter gradients into ``.grad`` and ``mutate`` copies the
@@ -71,12 +71,12 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap import program_ops
-from fxoverlap.meta import STEP_KEY
-from fxoverlap.passes.capture import Capture
+from fxoverlap.ir import program as program_ops
+from fxoverlap.ir.meta import STEP_KEY
+from fxoverlap.ir.capture import Capture
 from fxoverlap.passes.rng import RngOrderError
-from fxoverlap.program_ops import StageCall, Step
-from fxoverlap.stage import LAYER_KIND_ORDER, RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind
+from fxoverlap.ir.program import StageCall, Step
+from fxoverlap.ir.stage import LAYER_KIND_ORDER, RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind
 
 F, B, K = Direction.FWD, Direction.BWD, StageKind
 

@@ -2,7 +2,7 @@
 
 Contract
 --------
-Assumes: ``tag`` ran (every node has a :class:`~fxoverlap.stage.Tag`).
+Assumes: ``tag`` ran (every node has a :class:`~fxoverlap.ir.stage.Tag`).
 
 Guarantees: only tags change, and only of ``attn`` nodes of layers that have a
 dispatch:
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxoverlap.meta import TAG_KEY
-from fxoverlap.stage import Direction, Part, StageKind, Tag
+from fxoverlap.ir.meta import TAG_KEY
+from fxoverlap.ir.stage import Direction, Part, StageKind, Tag
 
 _LATE_KINDS = frozenset({StageKind.DISPATCH, StageKind.EXPERTS, StageKind.COMBINE})
 

@@ -3,10 +3,10 @@
 Contract
 --------
 Assumes: ``tag`` ran (and ``side``, ``recompute`` where configured): every node but
-placeholders and the output carries a :class:`~fxoverlap.stage.Tag`, and sorting the
+placeholders and the output carries a :class:`~fxoverlap.ir.stage.Tag`, and sorting the
 tags by ``Tag.sort_key`` orders every node after its producers.
 
-Guarantees: one :class:`~fxoverlap.stage.Stage` per tag, in plain execution order
+Guarantees: one :class:`~fxoverlap.ir.stage.Stage` per tag, in plain execution order
 (every forward stage, then every backward stage), each holding the nodes of its tag,
 in graph order, as its own GraphModule. Its inputs are the values it reads from
 placeholders or other stages (saved activations are simply forward-stage outputs
@@ -40,8 +40,8 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap.meta import RECOMPUTE_LAYERS_KEY, TAG_KEY, is_host_sync, op_name
-from fxoverlap.stage import COMM_KINDS, Direction, Part, Stage, StageKind, Tag, stage_name
+from fxoverlap.ir.meta import RECOMPUTE_LAYERS_KEY, TAG_KEY, is_host_sync, op_name
+from fxoverlap.ir.stage import COMM_KINDS, Direction, Part, Stage, StageKind, Tag, stage_name
 
 
 def _has_unbacked_shape(node: torch.fx.Node) -> bool:

@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from fxoverlap.program_ops import record_event, steps, wait_event
-from fxoverlap.stage import StreamKind
+from fxoverlap.ir.program import record_event, steps, wait_event
+from fxoverlap.ir.stage import StreamKind
 
 COMP, COMM = StreamKind.COMP.value, StreamKind.COMM.value
 

@@ -2,13 +2,13 @@
 
 Contract
 --------
-Assumes: a :class:`~fxoverlap.passes.capture.Capture` whose forward nodes inside
+Assumes: a :class:`~fxoverlap.ir.capture.Capture` whose forward nodes inside
 decoder layer ``i`` carry the annotation ``{LAYER_KEY: i, CHILD_KEY: child}``
 (``node.meta["custom"]``), and whose backward nodes carry the ``seq_nr`` of the
 forward op they differentiate.
 
 Guarantees: every node but placeholders and the output gets ``meta[TAG_KEY]``, a
-:class:`~fxoverlap.stage.Tag`; sorting the tags by ``Tag.sort_key`` gives an order
+:class:`~fxoverlap.ir.stage.Tag`; sorting the tags by ``Tag.sort_key`` gives an order
 in which every node comes no earlier than its producers (so the stages ``split``
 cuts form a DAG in plain execution order). Nothing else in the graph changes.
 A layer with a dispatch but no combine (or the reverse), an all-to-all outside
@@ -56,9 +56,9 @@ import torch
 import torch.fx
 
 from fxoverlap.kernels.deepep import DEEPEP_COMBINE_OPS, DEEPEP_DISPATCH_OPS
-from fxoverlap.meta import CHILD_KEY, LAYER_KEY, REGION_KEY, TAG_KEY, custom, is_host_sync, op_name
-from fxoverlap.passes.capture import Capture
-from fxoverlap.stage import COMM_KINDS, Direction, StageKind, Tag
+from fxoverlap.ir.meta import CHILD_KEY, LAYER_KEY, REGION_KEY, TAG_KEY, custom, is_host_sync, op_name
+from fxoverlap.ir.capture import Capture
+from fxoverlap.ir.stage import COMM_KINDS, Direction, StageKind, Tag
 
 # Communication ops by op name: what they are when no region marker says otherwise.
 # None: an all-to-all whose role is decided by data dependencies.

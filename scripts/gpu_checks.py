@@ -216,7 +216,7 @@ def check_numerics(device, emit, small=False, routings=ROUTINGS):
     (tests/test_inductor.py); on CUDA within eager's own run-to-run noise, because atomics
     (embedding and index backward, Inductor's scatter reductions) make some kernels
     non-deterministic (measured on one H200: not bitwise)."""
-    from fxoverlap.runtime import run_plain
+    from fxoverlap.pipeline import run_plain
 
     for routing in routings:
         dim, seq = (256, 256) if small else (1024, 1024)

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 import fxoverlap  # noqa: E402
 from fxoverlap.models import MoEConfig  # noqa: E402
-from fxoverlap.runtime import run_plain  # noqa: E402
+from fxoverlap.pipeline import run_plain  # noqa: E402
 from fxoverlap.testing import take_grads, token_batches  # noqa: E402
 from rng_models import RandomTransformer  # noqa: E402
 

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.stage import COMM_KINDS, Direction
+from fxoverlap.ir.stage import COMM_KINDS, Direction
 from fxoverlap.testing import grad_diff
 from numerics_cases import eager_grads, make_batches
 from test_memory import stage_bytes

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fxoverlap
 from fxoverlap.grad_reduce import reduce_scatter_single
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.program_ops import finish_reduce, reduce_grads
+from fxoverlap.ir.program import finish_reduce, reduce_grads
 from fxoverlap.testing import eager_steps, share_plans, take_grads
 from numerics_cases import make_batches
 

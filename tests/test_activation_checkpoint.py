@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 import ac_cases
 import fxoverlap
 import fxoverlap.backend as fxb
-from fxoverlap.meta import SAVED_COMM_KEY
+from fxoverlap.ir.meta import SAVED_COMM_KEY
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.passes.capture import CaptureError

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import fxoverlap.backend as fxb
 from fxoverlap.models.moe import Block, MoEConfig, MoETransformer
-from fxoverlap.program_ops import record_event, stage_calls, wait_event
-from fxoverlap.stage import Direction, StageKind, StreamKind
+from fxoverlap.ir.program import record_event, stage_calls, wait_event
+from fxoverlap.ir.stage import Direction, StageKind, StreamKind
 from fxoverlap.testing import grad_diff, run_distributed, token_batches
 
 TOL = 1e-6

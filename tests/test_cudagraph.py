@@ -38,10 +38,10 @@ import torch.fx
 
 import fxoverlap
 import fxoverlap.cudagraphs as cg
-from fxoverlap import program_ops
+from fxoverlap.ir import program as program_ops
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.runtime import ProgramRunner
-from fxoverlap.stage import StageKind, StreamKind
+from fxoverlap.ir.stage import StageKind, StreamKind
 from fxoverlap.testing import token_batches
 
 
@@ -463,7 +463,7 @@ def _stage(name, inputs, outputs, graphed):
 
 
 def _program(stages, calls):
-    from fxoverlap.meta import STEP_KEY
+    from fxoverlap.ir.meta import STEP_KEY
     by = {s.name: s for s in stages}
     g = torch.fx.Graph()
     for mb, name in calls:

@@ -25,10 +25,10 @@ import fxoverlap.config
 from fxoverlap import OverlapConfig
 from fxoverlap.config import DispatcherUnavailable
 from fxoverlap.engine import format_stage_table
-from fxoverlap.meta import TAG_KEY, op_name
+from fxoverlap.ir.meta import TAG_KEY, op_name
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.passes.dispatcher import DispatcherError, dispatcher
-from fxoverlap.stage import Direction, StageKind, StreamKind
+from fxoverlap.ir.stage import Direction, StageKind, StreamKind
 from fxoverlap.testing import take_grads, token_batches
 from snapshot_utils import requires_pinned_torch
 

@@ -22,7 +22,7 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.models.moe import GroupedExperts
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.passes.dispatcher import DispatcherError, dispatcher
-from fxoverlap.meta import TAG_KEY, op_name
+from fxoverlap.ir.meta import TAG_KEY, op_name
 from fxoverlap.testing import run_distributed_once
 from snapshot_utils import requires_pinned_torch
 

@@ -26,8 +26,8 @@ import fxoverlap
 import fxoverlap.backend as fxb
 import fxoverlap.passes.inductor as inductor_pass
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.runtime import run_plain
-from fxoverlap.stage import StageKind, StreamKind
+from fxoverlap.pipeline import run_plain
+from fxoverlap.ir.stage import StageKind, StreamKind
 from fxoverlap.testing import grad_diff, run_distributed, take_grads
 from numerics_cases import eager_grads, make_batches
 

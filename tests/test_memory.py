@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 import fxoverlap
-from fxoverlap import program_ops
+from fxoverlap.ir import program as program_ops
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
 from fxoverlap.runtime import ProgramRunner, accumulate_into, live_bytes, static_storage_keys, static_values
-from fxoverlap.stage import Direction
+from fxoverlap.ir.stage import Direction
 from fxoverlap.testing import grad_diff, run_distributed, token_batches
 from numerics_cases import eager_grads
 from pass_cases import check_program_frees

@@ -17,7 +17,7 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.models.mhc import HyperConnection, sinkhorn
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.region import REGION_KEY
-from fxoverlap.runtime import run_plain
+from fxoverlap.pipeline import run_plain
 from fxoverlap.testing import eager_steps, grad_diff, run_distributed, take_grads, token_batches
 
 # mHC on x final layer MoE / dense x MTP on / off.

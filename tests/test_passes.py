@@ -27,16 +27,16 @@ import torch
 import torch.fx
 
 import fxoverlap.cudagraphs as cg
-from fxoverlap import program_ops
-from fxoverlap.meta import STEP_KEY, TAG_KEY
+from fxoverlap.ir import program as program_ops
+from fxoverlap.ir.meta import STEP_KEY, TAG_KEY
 from fxoverlap.passes.cudagraph import cudagraph
 from fxoverlap.passes.free import free
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.side import side
 from fxoverlap.passes.split import not_capturable_reason, split
 from fxoverlap.passes.streams import streams
-from fxoverlap.program_ops import stage_calls
-from fxoverlap.stage import Direction, Part, StageKind, Tag, stream_of
+from fxoverlap.ir.program import stage_calls
+from fxoverlap.ir.stage import Direction, Part, StageKind, Tag, stream_of
 from pass_cases import (
     COMM,
     COMP,

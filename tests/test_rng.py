@@ -27,7 +27,7 @@ import torch
 import fxoverlap
 from fxoverlap.models import MoEConfig
 from fxoverlap.passes.rng import RngOrderError
-from fxoverlap.runtime import run_plain
+from fxoverlap.pipeline import run_plain
 from fxoverlap.testing import eager_steps, run_distributed_once, take_grads, token_batches
 from rng_cases import CFG, SEED, backend_vs_eager, optimize_vs_eager
 from rng_models import RandomTransformer

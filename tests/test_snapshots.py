@@ -15,8 +15,8 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
-from fxoverlap.program_ops import stage_calls
-from fxoverlap.stage import StreamKind
+from fxoverlap.ir.program import stage_calls
+from fxoverlap.ir.stage import StreamKind
 from fxoverlap.testing import token_batches
 from snapshot_utils import render_program, render_tagged, requires_pinned_torch
 

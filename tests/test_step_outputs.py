@@ -24,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxoverlap
-from fxoverlap import program_ops
-from fxoverlap.meta import STEP_KEY
+from fxoverlap.ir import program as program_ops
+from fxoverlap.ir.meta import STEP_KEY
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import grad_diff, token_batches
 

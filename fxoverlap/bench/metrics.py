@@ -13,8 +13,8 @@ from typing import Any
 
 import torch.fx
 
-from fxoverlap.program_ops import stage_calls
-from fxoverlap.stage import COMM_KINDS, StageKind, StreamKind
+from fxoverlap.ir.program import stage_calls
+from fxoverlap.ir.stage import COMM_KINDS, StageKind, StreamKind
 
 COMP, COMM = StreamKind.COMP.value, StreamKind.COMM.value
 _COMM_KIND_NAMES = frozenset(k.value for k in COMM_KINDS)
@@ -106,7 +106,7 @@ def intersection_length(a: Sequence[Interval], b: Sequence[Interval]) -> float:
 
 def kind_of(stage_name: str) -> str:
     """The kind of a stage from its name (``"<dir>_<layer>_<kind>[_<part>]"``,
-    :func:`fxoverlap.stage.stage_name`); ``"other"`` for a name of another shape."""
+    :func:`fxoverlap.ir.stage.stage_name`); ``"other"`` for a name of another shape."""
     parts = stage_name.split("_", 2)
     tail = parts[2] if len(parts) == 3 else stage_name
     return next((k.value for k in StageKind if tail.startswith(k.value)), "other")

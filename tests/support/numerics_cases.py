@@ -8,7 +8,7 @@ import torch.distributed as dist
 import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.passes import capture, split, tag
-from fxoverlap.runtime import run_plain
+from fxoverlap.pipeline import run_plain
 from fxoverlap.testing import eager_steps, grad_diff, take_grads, token_batches
 
 
@@ -175,7 +175,7 @@ def titan_shared_seq_nr(rank: int, world: int) -> dict:
     all-to-alls must still land in comm stages, and numerics stay exact."""
     from titan_models import TitanTransformer
 
-    from fxoverlap.meta import op_name
+    from fxoverlap.ir.meta import op_name
 
     torch.manual_seed(0)
     model = TitanTransformer(dist.group.WORLD)

@@ -14,11 +14,11 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap import program_ops
-from fxoverlap.meta import STEP_KEY
-from fxoverlap.passes.capture import Capture
-from fxoverlap.program_ops import StageCall, Step
-from fxoverlap.stage import Direction, Part, Stage, StageKind, StreamKind, Tag, stage_name
+from fxoverlap.ir import program as program_ops
+from fxoverlap.ir.meta import STEP_KEY
+from fxoverlap.ir.capture import Capture
+from fxoverlap.ir.program import StageCall, Step
+from fxoverlap.ir.stage import Direction, Part, Stage, StageKind, StreamKind, Tag, stage_name
 
 F, B, K = Direction.FWD, Direction.BWD, StageKind
 COMP, COMM = StreamKind.COMP, StreamKind.COMM

@@ -7,7 +7,7 @@ import torch
 
 import re
 
-from fxoverlap.meta import TAG_KEY, op_name
+from fxoverlap.ir.meta import TAG_KEY, op_name
 
 requires_pinned_torch = pytest.mark.skipif(
     not torch.__version__.startswith("2.13"),

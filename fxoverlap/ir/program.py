@@ -22,8 +22,8 @@ import dataclasses
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap.meta import STEP_KEY
-from fxoverlap.stage import StreamKind
+from fxoverlap.ir.meta import STEP_KEY
+from fxoverlap.ir.stage import StreamKind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,14 +9,14 @@ Joint-graph nodes (the captured train step) carry, in ``node.meta``:
 * ``"recompute"``: torch's own :class:`torch.utils.checkpoint.CheckpointPolicy` of an op
   that ran under a selective checkpoint policy (``context_fn``); read only on nodes that
   carry :data:`CHECKPOINT_KEY` (outside them torch leaves stale values behind);
-* :data:`TAG_KEY`: the node's :class:`~fxoverlap.stage.Tag` (set by ``tag``, refined by
+* :data:`TAG_KEY`: the node's :class:`~fxoverlap.ir.stage.Tag` (set by ``tag``, refined by
   ``side`` and ``recompute``);
 * :data:`RECOMPUTE_LAYERS_KEY`: on recompute clones, the layers of their group;
 * :data:`RNG_ORDER_KEY`: on random ops, their index in eager's order of draws (``rng``);
   stage graphs keep it, and ``schedule`` checks the program's draws against it.
 
 Program nodes (the emitted schedule) carry :data:`STEP_KEY`: a
-:class:`fxoverlap.program_ops.Step`, what the node reads and writes.
+:class:`fxoverlap.ir.program.Step`, what the node reads and writes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ LAYER_KEY = "fxoverlap_layer"
 CHILD_KEY = "fxoverlap_child"
 REGION_KEY = "fxoverlap_region"
 CHECKPOINT_KEY = "fxoverlap_checkpoint"
+
+# node.meta["custom"][LIST_KEY]: {candidate layer list path: (entry index, child name or None)},
+# written while tracing for every candidate list; ``layers`` keeps the chosen one as LAYER_KEY/CHILD_KEY
+LIST_KEY = "fxoverlap_lists"
 
 # ---- joint-graph node metadata written by the passes
 TAG_KEY = "fxoverlap_tag"

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch.fx
 
-from fxoverlap.meta import RNG_ORDER_KEY, op_name
+from fxoverlap.ir.meta import RNG_ORDER_KEY, op_name
 
 
 class StageKind(str, enum.Enum):
