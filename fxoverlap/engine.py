@@ -15,12 +15,13 @@ import torch.nn as nn
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.dispatch_ops import overflow_guard
+from fxoverlap.expert_parallel import explain_capture_error
 from fxoverlap.grad_reduce import GradReduction, check_groups
-from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.ir.bucket import Bucket
+from fxoverlap.ir.stage import Stage
+from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.pipeline import build_program, build_stages
 from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
-from fxoverlap.ir.stage import Stage
 
 log = logging.getLogger("fxoverlap")
 
@@ -141,7 +142,8 @@ class Engine:
         plan = self._plans.get(key)
         if plan is None:
             log.info("fxoverlap: capturing %s for input signature %s", type(self.model).__name__, key[0])
-            cap = capture(self.model, inputs, loss_fn, self.config.layer_container, train=train)
+            cap = capture(self.model, inputs, loss_fn, self.config.layer_container, train=train,
+                          explain=explain_capture_error)
             plan = self._plans[key] = Plan(cap, build_stages(cap, self.config, self._device().type, train))
         return plan
 

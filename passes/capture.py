@@ -283,6 +283,7 @@ def capture(
     train: bool = True,
     scalar_loss: bool = True,
     lists: Mapping[str, int] | None = None,
+    explain: Callable[[nn.Module, BaseException], str | None] | None = None,
 ) -> Capture:
     """Trace one train step of ``model`` on inputs shaped like ``inputs``; no data is used.
 
@@ -292,6 +293,8 @@ def capture(
     tangent placeholder) instead of requiring one scalar loss. ``lists`` (path -> entry
     count): the candidate layer lists the caller has already annotated on the nodes it
     traces (``layers.LIST_KEY``), instead of this pass's hooks on the model's lists.
+    ``explain(model, exc)``: a message for a tracing failure the caller knows how to explain
+    (``optimize`` passes ``expert_parallel.explain_capture_error``), raised as ``CaptureError``.
     """
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -321,15 +324,13 @@ def capture(
     except CaptureError:
         raise
     except Exception as e:
-        from fxoverlap.expert_parallel import explain_capture_error
-
         if "use_reentrant=True" in str(e):
             raise CaptureError(
                 "capture: the model calls torch.utils.checkpoint with use_reentrant=True, which cannot be "
                 "traced into one joint graph; pass use_reentrant=False (checkpoint_wrapper's default), "
                 "which fxoverlap replays in the backward"
             ) from e
-        hint = explain_capture_error(model, e)
+        hint = None if explain is None else explain(model, e)
         if hint is None:
             raise
         raise CaptureError(hint) from e

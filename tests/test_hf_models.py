@@ -205,10 +205,10 @@ def test_undeclared_layout_error():
 
 
 def _capture_error(model) -> BaseException:
-    """What capture raises (a CaptureError explaining torch's own error, its __cause__)."""
+    """What capture raises as optimize calls it (a CaptureError explaining torch's own error, its __cause__)."""
     ids = hf_cases.batches(0, n=1)[0]
     with pytest.raises(Exception) as err:
-        capture(model, (ids,), hf_cases.next_token_loss)
+        capture(model, (ids,), hf_cases.next_token_loss, explain=explain_capture_error)
     return err.value
 
 
