@@ -18,8 +18,8 @@ replayed the same graph it would overwrite them before B(i) used them. So each
 stage has one graph per microbatch parity (``copy = microbatch % copies``), and
 microbatch i+2 is the next one to overwrite microbatch i's outputs. That is safe
 because of the schedule (``passes/schedule.py``): F(0); merged step i runs
-F(i) ⊗ B(i-1) for i = 1..N-1 and ends with ``bwd_all(i-1)``, which places whatever
-of B(i-1) the slots did not; then B(N-1). So F(i) is issued in merged step i
+F(i) ⊗ B(i-1) for i = 1..N-1 and ends by placing whatever of B(i-1) the slots did
+not (``_Emitter.backward``); then B(N-1). So F(i) is issued in merged step i
 (F(0) before the first one) and all of B(i), its recompute and weight-grad stages
 included, in merged step i+1 (B(N-1) after the last one); the first call of
 microbatch i+2, in merged step i+2, comes after B(i) finished issuing in merged
