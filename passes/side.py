@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxoverlap.ir.meta import TAG_KEY
+from fxoverlap.ir.meta import TAG_KEY, computes
 from fxoverlap.ir.stage import Direction, Part, StageKind, Tag
 
 _LATE_KINDS = frozenset({StageKind.DISPATCH, StageKind.EXPERTS, StageKind.COMBINE})
@@ -82,8 +82,7 @@ def side(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         else:
             moved, part = _backward_early(nodes, layer), Part.EARLY
         # a part of only views and getitems is not worth a stage of its own
-        computes = any(n.op == "call_function" and "view" not in str(n.target) for n in moved)
-        if not moved or len(moved) == len(nodes) or not computes:
+        if not moved or len(moved) == len(nodes) or not any(computes(n) for n in moved):
             continue
         for n in moved:
             n.meta[TAG_KEY] = Tag(direction, layer, kind, part)

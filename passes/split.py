@@ -40,7 +40,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap.ir.meta import RECOMPUTE_LAYERS_KEY, TAG_KEY, is_host_sync, op_name
+from fxoverlap.ir.meta import RECOMPUTE_LAYERS_KEY, TAG_KEY, computes, is_host_sync, op_name
 from fxoverlap.ir.stage import COMM_KINDS, Direction, Part, Stage, StageKind, Tag, stage_name
 
 
@@ -115,22 +115,12 @@ def _wgrad_part(nodes: list[torch.fx.Node], output: torch.fx.Node) -> list[torch
         if users and all(u in wgrad or u is output for u in users):
             wgrad.add(n)
     # A wgrad part made only of views of saved tensors is not worth a stage.
-    heavy = [n for n in wgrad if n.op == "call_function" and "view" not in op_name(n) and op_name(n) not in ("aten.t", "aten.transpose")]
-    return [n for n in nodes if n in wgrad] if heavy else []
+    return [n for n in nodes if n in wgrad] if any(computes(n) for n in wgrad) else []
 
 
 def launches_kernel(gm: torch.fx.GraphModule) -> bool:
     """Whether the graph computes anything (not only views and metadata ops)."""
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        t = n.target
-        if isinstance(t, torch._ops.OpOverload):
-            if not t.is_view and "sym_" not in t._schema.name:
-                return True
-        elif t is not operator.getitem:
-            return True  # a Python function or a custom callable: assume it computes
-    return False
+    return any(computes(n) for n in gm.graph.nodes)
 
 
 def not_capturable_reason(name: str, kind: StageKind, gm: torch.fx.GraphModule) -> str | None:

@@ -21,6 +21,8 @@ Program nodes (the emitted schedule) carry :data:`STEP_KEY`: a
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -81,3 +83,14 @@ def draws_random_numbers(node: torch.fx.Node) -> bool:
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
             return value != 0
     return True
+
+
+def computes(node: torch.fx.Node) -> bool:
+    """Whether ``node`` launches work: not a view (``aten.view``, ``aten.t``, ``_unsafe_view``...),
+    a getitem or a size query. The one rule for "a part of only views is not worth a stage"."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return not t.is_view and "view" not in t._schema.name and "sym_" not in t._schema.name
+    return True  # a Python function or a custom callable: assume it computes
