@@ -89,8 +89,9 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from fxoverlap.config import OverlapConfig
+from fxoverlap.config import ConfigError, OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import CHECKPOINT_KEY
 from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
 from fxoverlap.ir.meta import LIST_KEY
@@ -120,8 +121,12 @@ class FallbackWarning(UserWarning):
     """The backend runs a graph as plain eager-equivalent code; the message says why."""
 
 
-class _Unsupported(Exception):
-    pass
+class _Unsupported(FxOverlapError):
+    """What the backend does not handle (a dynamic shape, a non-tensor output, ...): it falls back."""
+
+
+class BackendError(FxOverlapError, RuntimeError):
+    """A compiled step was used in a way it does not support (a second backward through one call)."""
 
 
 _last: CompiledStep | None = None
@@ -373,7 +378,7 @@ class _Run:
     def backward_segment(self, k: int, grad_outputs) -> dict[int, torch.Tensor]:
         """Run backward segment ``k``; the gradients it hands out, by graph input index."""
         if self.state is None or self.next_segment != k:
-            raise RuntimeError(
+            raise BackendError(
                 "fxoverlap backend: backward through a compiled step ran twice (retain_graph=True); "
                 "the step's saved values are freed by its first backward"
             )
@@ -653,7 +658,7 @@ def backend_config(options: dict | None = None, mode: str | None = None, **kwarg
     elif mode in ("max-autotune", "max-autotune-no-cudagraphs"):
         inductor_opts.setdefault("max_autotune", True)
     elif mode not in (None, "default"):
-        raise ValueError(f"fxoverlap backend: unknown mode {mode!r}")
+        raise ConfigError(f"fxoverlap backend: unknown mode {mode!r}")
     if inductor_opts:
         cfg["compile_options"] = {**(cfg.get("compile_options") or {}), **inductor_opts}
     return OverlapConfig(**cfg)
