@@ -283,3 +283,89 @@ def test_region_and_model_config_errors():
     with pytest.raises(ModelConfigError, match="top_k"):
         MoEConfig(top_k=0)
     assert issubclass(RegionError, ValueError) and issubclass(ModelConfigError, ValueError)
+
+
+# ================================================================ the torch.compile backend
+
+def test_backend_refuses_fields_it_cannot_honour():
+    import fxoverlap.backend as fxb
+
+    for opts, names in [({"record_memory": True}, ["record_memory"]),
+                        ({"grad_reduce": "reduce_scatter", "reduce_bucket_mb": 0}, ["grad_reduce", "reduce_bucket_mb"]),
+                        ({"dispatch_capacity_factor": 1.5, "dispatcher": "padded"}, ["dispatch_capacity_factor"])]:
+        with pytest.raises(fxoverlap.ConfigError, match="cannot honour") as e:
+            fxb.backend_config(opts)
+        assert all(n in str(e.value) for n in names) and "fxoverlap.optimize" in str(e.value)
+    # their defaults are what the backend does: passing them is no error
+    fxb.backend_config({"record_memory": False, "grad_reduce": "all_reduce", "reduce_bucket_mb": 25.0})
+
+
+def test_backend_refuses_unknown_options_naming_close_matches():
+    import fxoverlap.backend as fxb
+
+    with pytest.raises(fxoverlap.ConfigError, match="unknown option 'chunks'") as e:
+        fxb.backend_config({"chunks": 2})
+    assert "OverlapConfig field" in str(e.value) and "torch._inductor.config" in str(e.value)
+    with pytest.raises(fxoverlap.ConfigError, match=r"'delay_wgard' \(did you mean 'delay_wgrad'") as e:
+        fxb.backend_config(delay_wgard=True)
+    with pytest.raises(ValueError, match=r"'max_autotun' \(did you mean 'max_autotune'"):
+        fxb.backend_config({"max_autotun": True})
+    cfg = fxb.backend_config({"max_autotune": True, "triton.cudagraphs": False, "overlap": False})
+    assert dict(cfg.compile_options) == {"max_autotune": True, "triton.cudagraphs": False} and not cfg.side_stages
+    with pytest.raises(fxoverlap.ConfigError, match="unknown mode"):
+        fxb.backend_config(mode="fastest")
+
+
+def test_backend_unknown_option_is_an_error_on_cpu_too():
+    model = Stack()
+    compiled = torch.compile(model, backend="fxoverlap", options={"chunks": 2})
+    with pytest.raises(Exception) as e:  # Dynamo wraps what a backend raises
+        compiled(torch.randn(4, 8))
+    chain = [e.value, *(x for x in (e.value.__cause__, e.value.__context__) if x is not None)]
+    assert any(isinstance(x, fxoverlap.ConfigError) for x in chain) or "unknown option 'chunks'" in str(e.value)
+    torch._dynamo.reset()
+
+
+def test_backend_fallback_catches_expected_errors_only(monkeypatch):
+    """Ours and the torch errors of FALLBACK_ERRORS fall back, with a warning; anything else
+    (a bug in fxoverlap) propagates."""
+    import fxoverlap.backend as fxb
+
+    def raising(exc):
+        def compile_step(*args, **kwargs):
+            raise exc
+        return compile_step
+
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    x = torch.randn(1, 2, requires_grad=True)
+    for exc in (TagError("no tag"), NotImplementedError("the derivative for '_unique2' is not implemented")):
+        monkeypatch.setattr(fxb, "compile_step", raising(exc))
+        with pytest.warns(fxb.FallbackWarning, match=str(exc)[:20]):
+            assert fxb.fxoverlap_backend(gm, [x]) == gm.forward
+    assert NotImplementedError in fxb.FALLBACK_ERRORS and FxOverlapError in fxb.FALLBACK_ERRORS
+    for bug in (KeyError("stage"), AttributeError("x"), TypeError("bad call")):
+        monkeypatch.setattr(fxb, "compile_step", raising(bug))
+        with pytest.raises(type(bug)):
+            fxb.fxoverlap_backend(gm, [x])
+
+
+def test_backend_falls_back_on_an_op_without_a_derivative():
+    """torch.unique in a layer: the capture pass's trace of the backward raises autograd's
+    NotImplementedError, which reaches the fallback (the one torch error seen there)."""
+    import fxoverlap.backend as fxb
+
+    class Uniq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x) + torch.unique(x.round()).sum()
+            return x.pow(2).sum()
+
+    torch._dynamo.reset()
+    model = Uniq()
+    with pytest.warns(fxb.FallbackWarning, match="NotImplementedError: the derivative for '_unique2'"):
+        torch.compile(model, backend="fxoverlap")(torch.randn(4, 8))  # (its backward fails in eager too)
+    torch._dynamo.reset()
