@@ -1,6 +1,7 @@
 """fxoverlap: FX graph passes that overlap expert-parallel all-to-all with compute."""
 
-from fxoverlap.config import OverlapConfig
+from fxoverlap.config import ConfigError, OverlapConfig
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.dispatch_ops import DispatchOverflow
 from fxoverlap.engine import Engine, InputError, MicrobatchMismatch, optimize
 from fxoverlap.expert_parallel import expert_parallel
@@ -8,7 +9,7 @@ from fxoverlap.region import region
 from fxoverlap.runtime import StageFailed
 from fxoverlap.ir.stage import Direction, Stage, StageKind, StreamKind
 
-__all__ = ["DispatchOverflow", "Engine", "InputError", "MicrobatchMismatch", "optimize", "expert_parallel", "OverlapConfig", "region", "StageFailed", "Direction", "Stage", "StageKind", "StreamKind"]
+__all__ = ["ConfigError", "DispatchOverflow", "FxOverlapError", "Engine", "InputError", "MicrobatchMismatch", "optimize", "expert_parallel", "OverlapConfig", "region", "StageFailed", "Direction", "Stage", "StageKind", "StreamKind"]
 __version__ = "0.1.0"
 
 from fxoverlap import backend  # noqa: E402,F401  (registers torch.compile backend "fxoverlap")

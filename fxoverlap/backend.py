@@ -77,6 +77,7 @@ Options: ``torch.compile(model, backend="fxoverlap", options={...})`` with
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
 import re
@@ -89,8 +90,9 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from fxoverlap.config import OverlapConfig
+from fxoverlap.config import ConfigError, OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import CHECKPOINT_KEY
 from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
 from fxoverlap.ir.meta import LIST_KEY
@@ -99,7 +101,9 @@ from fxoverlap.runtime import ProgramRunner
 from fxoverlap.ir.stage import Stage
 
 __all__ = [
+    "FALLBACK_ERRORS",
     "SEGMENT_MIN_GRAD_BYTES",
+    "UNSUPPORTED_FIELDS",
     "CompiledStep",
     "FallbackWarning",
     "annotate_layers",
@@ -120,8 +124,12 @@ class FallbackWarning(UserWarning):
     """The backend runs a graph as plain eager-equivalent code; the message says why."""
 
 
-class _Unsupported(Exception):
-    pass
+class _Unsupported(FxOverlapError):
+    """What the backend does not handle (a dynamic shape, a non-tensor output, ...): it falls back."""
+
+
+class BackendError(FxOverlapError, RuntimeError):
+    """A compiled step was used in a way it does not support (a second backward through one call)."""
 
 
 _last: CompiledStep | None = None
@@ -373,7 +381,7 @@ class _Run:
     def backward_segment(self, k: int, grad_outputs) -> dict[int, torch.Tensor]:
         """Run backward segment ``k``; the gradients it hands out, by graph input index."""
         if self.state is None or self.next_segment != k:
-            raise RuntimeError(
+            raise BackendError(
                 "fxoverlap backend: backward through a compiled step ran twice (retain_graph=True); "
                 "the step's saved values are freed by its first backward"
             )
@@ -630,30 +638,94 @@ def _check_supported(gm: torch.fx.GraphModule, example_inputs) -> None:
         raise _Unsupported("no output of the graph requires grad (nothing to train)")
 
 
+# What makes the backend fall back to the plain graph (anything else propagates: a bug in
+# fxoverlap must not pass for a graph the backend does not handle):
+FALLBACK_ERRORS: tuple[type[BaseException], ...] = (
+    # ours: a pass refused the graph (CaptureError, TagError, RecomputeError, DispatcherError,
+    # InductorError, RngOrderError, ...), each naming the node and the reason
+    FxOverlapError,
+    # autograd's "the derivative for '<op>' is not implemented", raised while the capture pass
+    # traces the backward of a graph holding an op without one (seen: torch.unique's _unique2);
+    # torch raises it as a plain NotImplementedError
+    NotImplementedError,
+    # the capture pass traces the Dynamo graph again on fake tensors with a ShapeEnv of its
+    # own: an op without a fake kernel or with a data-dependent output (Dynamo ran the same
+    # ops on its fake tensors first, so these are not seen in the tests)
+    torch._subclasses.fake_tensor.UnsupportedOperatorException,
+    torch._subclasses.fake_tensor.DynamicOutputShapeException,
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+    # a pass or that trace branching on an unbacked size (an .item() Dynamo kept in the graph)
+    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+)
+
 _ALIASES = {"overlap": "side_stages"}
+
+# OverlapConfig fields the backend cannot honour (a set value would be silently ignored), and why
+UNSUPPORTED_FIELDS = {
+    "record_memory": "the memory trace is engine.memory_trace, which only fxoverlap.optimize keeps",
+    "grad_reduce": "the backend reduces no gradients over data parallelism (optimize(..., dp_group=...) does)",
+    "reduce_bucket_mb": "the backend reduces no gradients over data parallelism (optimize(..., dp_group=...) does)",
+    "dispatch_capacity_factor": "it needs a check of the overflow flags after each step, which "
+                                "fxoverlap.optimize makes and the backend does not",
+}
+
+
+def _inductor_options() -> set[str]:
+    """The names ``torch.compile(options=...)`` takes for Inductor: the keys of
+    ``torch._inductor.config`` (dotted for its sub-configs: ``"triton.cudagraphs"``)."""
+    import torch._inductor.config as inductor_config
+
+    return set(inductor_config.get_config_copy())
 
 
 def backend_config(options: dict | None = None, mode: str | None = None, **kwargs) -> OverlapConfig:
     """The :class:`OverlapConfig` for ``torch.compile(model, backend="fxoverlap", mode=..., options=...)``.
 
     Keys of ``options`` (and keyword options of ``functools.partial(fxoverlap_backend, ...)``)
-    that name an ``OverlapConfig`` field set it (``overlap`` is ``side_stages``); the rest
-    are Inductor options for the compiled stages (``compile_options``), as
-    ``torch.compile(options=...)`` passes them to Inductor. ``mode="reduce-overhead"``
+    that name an ``OverlapConfig`` field set it (``overlap`` is ``side_stages``); keys of
+    ``torch._inductor.config`` are Inductor options for the compiled stages
+    (``compile_options``), as ``torch.compile(options=...)`` passes them to Inductor. Any other
+    key raises :class:`~fxoverlap.config.ConfigError` naming it and its close matches, as does a
+    field the backend cannot honour (:data:`UNSUPPORTED_FIELDS`: ``record_memory``,
+    ``grad_reduce``, ``reduce_bucket_mb``, ``dispatch_capacity_factor``; use
+    ``fxoverlap.optimize`` for them). ``mode="reduce-overhead"``
     turns on CUDA graphs; ``mode="max-autotune"`` Inductor's autotuning.
     """
-    fields = {f.name for f in dataclasses.fields(OverlapConfig)}
+    fields = {f.name: f for f in dataclasses.fields(OverlapConfig)}
+    inductor_names = _inductor_options()
     cfg: dict = {}
     inductor_opts: dict = {}
+    unknown: list[str] = []
     for k, v in {**(options or {}), **kwargs}.items():
         k = _ALIASES.get(k, k)
-        (cfg if k in fields else inductor_opts)[k] = v
+        if k in fields:
+            cfg[k] = v
+        elif k in inductor_names:
+            inductor_opts[k] = v
+        else:
+            unknown.append(k)
+    if unknown:
+        known = sorted({*fields, *_ALIASES, *inductor_names})
+        lines = []
+        for k in unknown:
+            close = difflib.get_close_matches(str(k), known, n=3)
+            lines.append(f"{k!r}" + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
+        raise ConfigError(
+            f"fxoverlap backend: unknown option {', '.join(lines)}: an option is an OverlapConfig field "
+            f"({', '.join(sorted(fields))}; 'overlap' is side_stages) or an Inductor option (a key of "
+            f"torch._inductor.config.get_config_copy(), dotted for its sub-configs: 'triton.cudagraphs')")
+    refused = [k for k in UNSUPPORTED_FIELDS if k in cfg and cfg[k] != fields[k].default]
+    if refused:
+        raise ConfigError(
+            f"fxoverlap backend: cannot honour {', '.join(f'{k}={cfg[k]!r}' for k in refused)}: "
+            + "; ".join(f"{k}: {UNSUPPORTED_FIELDS[k]}" for k in refused)
+            + ". Use fxoverlap.optimize(model, ep_group, OverlapConfig(...)) for them")
     if mode == "reduce-overhead":
         cfg.setdefault("cuda_graphs", True)
     elif mode in ("max-autotune", "max-autotune-no-cudagraphs"):
         inductor_opts.setdefault("max_autotune", True)
     elif mode not in (None, "default"):
-        raise ValueError(f"fxoverlap backend: unknown mode {mode!r}")
+        raise ConfigError(f"fxoverlap backend: unknown mode {mode!r}")
     if inductor_opts:
         cfg["compile_options"] = {**(cfg.get("compile_options") or {}), **inductor_opts}
     return OverlapConfig(**cfg)
@@ -714,7 +786,7 @@ def fxoverlap_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | 
         step = compile_step(gm, example_inputs, config)
     except _Unsupported as e:
         return _fallback(gm, str(e))
-    except Exception as e:  # a pass could not handle the graph: never a wrong answer
+    except FALLBACK_ERRORS as e:  # a pass could not handle the graph: never a wrong answer
         log.debug("fxoverlap backend: compile failed", exc_info=True)
         hint = graph_break_hint() if "outside every decoder layer" in str(e) else None
         if hint is not None:  # the layer is a fragment: the graph break is the cause, not the model

@@ -7,6 +7,8 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from fxoverlap.ir.errors import FxOverlapError
+
 COMPILERS = ("inductor", "eager")
 # Recognised, not built: the model calls torchtitan's deepep::/hybridep:: ops itself.
 DEEPEP_DISPATCHERS = ("deepep", "hybridep")
@@ -15,7 +17,12 @@ DISPATCHERS = ("auto", "all_to_all", "padded", "symm_mem", *DEEPEP_DISPATCHERS)
 GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
 
 
-class DispatcherUnavailable(ImportError, ValueError):
+class ConfigError(FxOverlapError, ValueError):
+    """A setting fxoverlap cannot take: an ``OverlapConfig`` field out of range, an option the
+    ``"fxoverlap"`` backend does not know or cannot honour; the message names it and the fix."""
+
+
+class DispatcherUnavailable(ConfigError, ImportError):
     """``OverlapConfig(dispatcher="deepep" | "hybridep")`` without the package it needs; the
     message says how to get it. A ValueError, as every bad ``dispatcher`` is, and an ImportError."""
 
@@ -139,25 +146,25 @@ class OverlapConfig:
 
     def __post_init__(self) -> None:
         if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"OverlapConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
+            raise ConfigError(f"OverlapConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if self.dispatcher in DEEPEP_DISPATCHERS and (why := deepep_missing(self.dispatcher)) is not None:
             raise _deepep_error(self.dispatcher, why)
         if self.dispatch_capacity_factor is not None and not self.dispatch_capacity_factor > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"OverlapConfig.dispatch_capacity_factor must be > 0 (a multiple of the balanced share of rows "
                 f"per link), or None for the worst-case capacity; got {self.dispatch_capacity_factor}"
             )
         if self.compiler is not None and self.compiler not in COMPILERS:
-            raise ValueError(f"OverlapConfig.compiler must be one of {COMPILERS} or None, got {self.compiler!r}")
+            raise ConfigError(f"OverlapConfig.compiler must be one of {COMPILERS} or None, got {self.compiler!r}")
         if self.mhc_recompute_group is not None and self.mhc_recompute_group < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"OverlapConfig.mhc_recompute_group must be >= 1 (or None for no recompute), "
                 f"got {self.mhc_recompute_group}"
             )
         if self.grad_reduce not in GRAD_REDUCE_MODES:
-            raise ValueError(f"OverlapConfig.grad_reduce must be one of {GRAD_REDUCE_MODES}, got {self.grad_reduce!r}")
+            raise ConfigError(f"OverlapConfig.grad_reduce must be one of {GRAD_REDUCE_MODES}, got {self.grad_reduce!r}")
         if not self.reduce_bucket_mb >= 0:
-            raise ValueError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
+            raise ConfigError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
 
     def resolved_compiler(self, device_type: str) -> str:
         """The compiler for a model whose parameters live on ``device_type``."""

@@ -108,6 +108,12 @@ from fxoverlap.ir.meta import STEP_KEY
 from fxoverlap.ir.program import stage_calls, steps
 from fxoverlap.runtime import storage_key
 from fxoverlap.ir.stage import Stage
+from fxoverlap.ir.errors import FxOverlapError, InternalError
+
+
+class GraphReplayError(FxOverlapError, RuntimeError):
+    """A CUDA graph cannot replay: a value it reads changed shape, dtype or memory since capture;
+    the message names the value and the fix."""
 
 log = logging.getLogger("fxoverlap")
 
@@ -206,21 +212,21 @@ class _Graph:
                 if a is s:
                     continue
                 if a.shape != s.shape or a.dtype != s.dtype:
-                    raise RuntimeError(self._bad(i, a, s, "has a different shape or dtype than at capture"))
+                    raise GraphReplayError(self._bad(i, a, s, "has a different shape or dtype than at capture"))
                 if a.data_ptr() == s.data_ptr() and a.stride() == s.stride():
                     continue  # the static buffer itself, as another view
                 s.copy_(a)
             elif kind == _SHARED:
                 if a is not s and not _same_memory(a, s):
-                    raise AssertionError(self._bad(
+                    raise InternalError(self._bad(
                         i, a, s, "was the static output of another graph at capture but is not that memory now"))
             elif kind == _STATIC:
                 if a.data_ptr() != s.data_ptr() or a.shape != s.shape or a.stride() != s.stride():
-                    raise RuntimeError(self._bad(
+                    raise GraphReplayError(self._bad(
                         i, a, s, "(a parameter or buffer) moved or changed shape since capture; call "
                                  "engine.close() to drop the captured graphs so they are captured anew"))
             elif a != s:
-                raise RuntimeError(self._bad(i, a, s, "is a non-tensor value that changed since capture"))
+                raise GraphReplayError(self._bad(i, a, s, "is a non-tensor value that changed since capture"))
 
     def _bad(self, i: int, a, s, what: str) -> str:
         desc = lambda t: f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)  # noqa: E731

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from fxoverlap.kernels import a2a, padded, static_ep
+from fxoverlap.config import ConfigError
+from fxoverlap.ir.errors import FxOverlapError
 
 OVERFLOW_KEY = "fxoverlap_overflow_flags"  # gm.meta: OverflowFlags, set by the dispatcher pass
 
@@ -36,7 +38,7 @@ def _transport(name: str) -> static_ep.Transport:
         from fxoverlap.kernels import symm_mem  # needs CUDA (and Triton); imported only when used
 
         return symm_mem.transport
-    raise ValueError(f"unknown fxoverlap transport {name!r}; expected 'padded' or 'symm_mem'")
+    raise ConfigError(f"unknown fxoverlap transport {name!r}; expected 'padded' or 'symm_mem'")
 
 
 def _ep(group_name: str) -> int:
@@ -141,7 +143,7 @@ def _(grad_out, pair_index, slot, recv_rows, top_k, group_name, capacity, transp
 # ---------------------------------------------------------------- overflow
 
 
-class DispatchOverflow(RuntimeError):
+class DispatchOverflow(FxOverlapError, RuntimeError):
     """A dispatch needed more rows on one rank-to-rank link than its capacity; the step's
     gradients were discarded (``p.grad`` is as it was before the step)."""
 

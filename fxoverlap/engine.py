@@ -15,9 +15,10 @@ import torch.nn as nn
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.dispatch_ops import overflow_guard
-from fxoverlap.expert_parallel import explain_capture_error
-from fxoverlap.grad_reduce import GradReduction, check_groups
+from fxoverlap.expert_parallel import ExpertParallelError, explain_capture_error
+from fxoverlap.grad_reduce import GradReduceConfigError, GradReduceError, GradReduction, check_groups
 from fxoverlap.ir.bucket import Bucket
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.stage import Stage
 from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.pipeline import build_program, build_stages
@@ -49,12 +50,17 @@ class PlanView:
         return format_stage_table(self.stages)
 
 
-class InputError(TypeError):
+class InputError(FxOverlapError, TypeError):
     """``microbatches`` or a group passed to fxoverlap has the wrong type or shape of call;
     the message says what was passed and what is expected."""
 
 
-class MicrobatchMismatch(ValueError):
+class MicrobatchError(FxOverlapError, ValueError):
+    """The microbatches passed to ``forward_backward`` do not make one step (none, or two with
+    different input structures); the message says which."""
+
+
+class MicrobatchMismatch(FxOverlapError, ValueError):
     """The ranks of the EP group called ``forward_backward`` with different microbatch counts
     or input structures; raised on every rank, naming each rank's call."""
 
@@ -104,7 +110,7 @@ def _check_expert_split(model: nn.Module, ep_group: dist.ProcessGroup | None) ->
         for holder in (mod, getattr(mod, "cfg", None), getattr(mod, "config", None)):
             n = getattr(holder, "n_experts", None) or getattr(holder, "num_experts", None)
             if isinstance(n, int) and n % ep:
-                raise ValueError(
+                raise ExpertParallelError(
                     f"fxoverlap.optimize: {name or 'model'} has {n} experts, which an expert-parallel "
                     f"group of {ep} ranks cannot split evenly; use a group size that divides {n}"
                 )
@@ -121,7 +127,7 @@ class Engine:
         self.model, self.ep_group, self.config = model, ep_group, config
         groups = check_groups(ep_group, dp_group, expert_dp_group)
         if groups is None and config.grad_reduce != "all_reduce":
-            raise ValueError(f"fxoverlap.optimize: OverlapConfig(grad_reduce={config.grad_reduce!r}) needs "
+            raise GradReduceConfigError(f"fxoverlap.optimize: OverlapConfig(grad_reduce={config.grad_reduce!r}) needs "
                              f"dp_group (the ranks the gradients are reduced over)")
         # data parallelism: the gradient reductions inside the program (None: p.grad stays local)
         self.grad_reduction = None if groups is None else GradReduction(groups, config.grad_reduce)
@@ -202,11 +208,11 @@ class Engine:
                              f"microbatches, each a tuple of the model's inputs")
         mbs = [_as_tuple(mb) for mb in microbatches]
         if not mbs:
-            raise ValueError(f"{what}: got an empty list of microbatches; pass at least one")
+            raise MicrobatchError(f"{what}: got an empty list of microbatches; pass at least one")
         sig0 = input_signature(mbs[0])
         for i, mb in enumerate(mbs[1:], 1):
             if input_signature(mb) != sig0:
-                raise ValueError(
+                raise MicrobatchError(
                     f"forward_backward: microbatch {i} has inputs {_describe(mb)} but microbatch 0 has "
                     f"{_describe(mbs[0])}; all microbatches of one call must share shapes and dtypes "
                     f"(a later call may use new shapes: it is captured anew)"
@@ -335,7 +341,7 @@ class Engine:
 
     def _reduction(self) -> GradReduction:
         if self.grad_reduction is None:
-            raise RuntimeError("fxoverlap: no data parallelism (build the engine with optimize(..., dp_group=...))")
+            raise GradReduceError("fxoverlap: no data parallelism (build the engine with optimize(..., dp_group=...))")
         return self.grad_reduction
 
     def cuda_graph_summary(self) -> list[dict]:

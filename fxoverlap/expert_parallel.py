@@ -46,6 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxoverlap import ops
+from fxoverlap.ir.errors import FxOverlapError
 
 __all__ = ["expert_parallel", "explain_capture_error", "find_experts", "ExpertShard", "ExpertParallelError"]
 
@@ -56,7 +57,7 @@ _INTERFACE = (
 )
 
 
-class ExpertParallelError(ValueError):
+class ExpertParallelError(FxOverlapError, ValueError):
     """The model cannot be made expert-parallel as it is; the message names the module and the fix."""
 
 

@@ -34,6 +34,17 @@ import torch.nn as nn
 
 from fxoverlap.ir.capture import Capture
 from fxoverlap.ir.bucket import Bucket
+from fxoverlap.ir.errors import FxOverlapError
+
+
+class GradReduceConfigError(FxOverlapError, ValueError):
+    """The groups or parameters given for data parallelism (``optimize(..., dp_group=...,
+    expert_dp_group=...)``, ``OverlapConfig.grad_reduce``) do not fit together; the message says how."""
+
+
+class GradReduceError(FxOverlapError, RuntimeError):
+    """The gradient reduction cannot go on as asked (no data parallelism, buckets that differ
+    between signatures or ranks, shards asked for before capture); the message says why."""
 
 # torch 2.13 names them reduce_scatter_single / all_gather_single (the old names warn);
 # an older torch (the GPU machine has 2.11) may have only reduce_scatter_tensor / all_gather_into_tensor
@@ -65,7 +76,7 @@ class ReduceGroups:
 
 def _ranks(group: dist.ProcessGroup, name: str) -> tuple[int, ...]:
     if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
-        raise ValueError(
+        raise GradReduceConfigError(
             f"fxoverlap.optimize: rank {dist.get_rank()} is not a member of {name} (a rank outside "
             f"the ranks given to dist.new_group gets a placeholder, not a group); pass each rank "
             f"the {name} it belongs to"
@@ -88,22 +99,22 @@ def check_groups(
     """
     if dp_group is None:
         if expert_dp_group is not None:
-            raise ValueError("fxoverlap.optimize: expert_dp_group needs dp_group (the ranks over which "
+            raise GradReduceConfigError("fxoverlap.optimize: expert_dp_group needs dp_group (the ranks over which "
                              "the non-expert parameters are replicated, usually dist.group.WORLD)")
         return None
     if not dist.is_initialized():
-        raise ValueError("fxoverlap.optimize: dp_group given but torch.distributed is not initialized")
+        raise GradReduceConfigError("fxoverlap.optimize: dp_group given but torch.distributed is not initialized")
     me, world = dist.get_rank(), dist.get_world_size()
     dp = _ranks(dp_group, "dp_group")
     if world % len(dp):
-        raise ValueError(f"fxoverlap.optimize: dp_group has {len(dp)} ranks {list(dp)}, which does not "
+        raise GradReduceConfigError(f"fxoverlap.optimize: dp_group has {len(dp)} ranks {list(dp)}, which does not "
                          f"divide the world of {world} ranks")
     ep = (me,) if ep_group is None else _ranks(ep_group, "ep_group")
     if not set(ep) <= set(dp):
-        raise ValueError(f"fxoverlap.optimize: ep_group {list(ep)} is not inside dp_group {list(dp)}; expert "
+        raise GradReduceConfigError(f"fxoverlap.optimize: ep_group {list(ep)} is not inside dp_group {list(dp)}; expert "
                          f"parallelism runs inside data parallelism")
     if len(dp) % len(ep):
-        raise ValueError(f"fxoverlap.optimize: ep_group has {len(ep)} ranks, which does not divide "
+        raise GradReduceConfigError(f"fxoverlap.optimize: ep_group has {len(ep)} ranks, which does not divide "
                          f"dp_group's {len(dp)}")
     want = len(dp) // len(ep)
     if expert_dp_group is None:
@@ -111,7 +122,7 @@ def check_groups(
             return ReduceGroups(dp_group, dp_group, dp, dp)
         if want == 1:
             return ReduceGroups(dp_group, None, dp, (me,))
-        raise ValueError(
+        raise GradReduceConfigError(
             f"fxoverlap.optimize: with ep_group of {len(ep)} and dp_group of {len(dp)} ranks, pass "
             f"expert_dp_group: the {want} ranks that hold the same experts as rank {me} (the same EP "
             f"index), e.g. init_device_mesh(device, ({want}, {len(ep)}), mesh_dim_names=('edp', 'ep'))"
@@ -119,13 +130,13 @@ def check_groups(
         )
     edp = _ranks(expert_dp_group, "expert_dp_group")
     if len(edp) != want:
-        raise ValueError(
+        raise GradReduceConfigError(
             f"fxoverlap.optimize: expert_dp_group has {len(edp)} ranks {list(edp)}, but |dp_group| / "
             f"|ep_group| = {len(dp)} / {len(ep)} = {want}: each rank's experts are replicated on one "
             f"rank of every EP group"
         )
     if not set(edp) <= set(dp) or set(edp) & set(ep) != {me}:
-        raise ValueError(
+        raise GradReduceConfigError(
             f"fxoverlap.optimize: expert_dp_group {list(edp)} must lie in dp_group {list(dp)} and meet "
             f"ep_group {list(ep)} in rank {me} only (its ranks hold rank {me}'s experts, one per EP group)"
         )
@@ -185,7 +196,7 @@ class GradReduction:
                 self.layout, self.buckets = layout, tuple(buckets)
                 self._pieces = self._make_pieces()
             elif layout != self.layout:
-                raise RuntimeError(
+                raise GradReduceError(
                     "fxoverlap: the gradient buckets of this input signature differ from the first one's "
                     "(another capture gave other gradients); the shards an optimizer holds must stay "
                     "fixed: use one engine per model structure"
@@ -205,7 +216,7 @@ class GradReduction:
             every = torch.empty(len(ranks), dtype=torch.int64, device=device)
             all_gather_single(every, mine, group=group)
             if (every != mine).any():
-                raise RuntimeError(
+                raise GradReduceError(
                     f"fxoverlap: the ranks {list(ranks)} of the {role} parameters' group bucket their "
                     f"gradients differently (their models or captures differ); every rank of a group "
                     f"must run the same model structure"
@@ -223,7 +234,7 @@ class GradReduction:
                     continue
                 p = self._params[s.param]
                 if not p.is_contiguous():
-                    raise ValueError(f"fxoverlap: grad_reduce='reduce_scatter' needs contiguous parameters; "
+                    raise GradReduceConfigError(f"fxoverlap: grad_reduce='reduce_scatter' needs contiguous parameters; "
                                      f"{s.param} is not (make it contiguous before optimize)")
                 view = p.detach().view(-1)[lo - s.offset:hi - s.offset]
                 view.requires_grad_(True)
@@ -234,10 +245,10 @@ class GradReduction:
         """This rank's shard of every bucket, as leaf views of the parameters whose ``.grad``
         is the averaged gradient there: hand them to an optimizer."""
         if self.mode != "reduce_scatter":
-            raise RuntimeError("fxoverlap: shard_parameters() is for OverlapConfig(grad_reduce='reduce_scatter'); "
+            raise GradReduceError("fxoverlap: shard_parameters() is for OverlapConfig(grad_reduce='reduce_scatter'); "
                                "with 'all_reduce' every p.grad holds the whole averaged gradient")
         if self.layout is None:
-            raise RuntimeError("fxoverlap: the shards are known once the model is captured: call "
+            raise GradReduceError("fxoverlap: the shards are known once the model is captured: call "
                                "engine.forward_backward(...) (or engine.plan(...)) first")
         return [piece.view for piece in self._pieces]
 

@@ -16,6 +16,11 @@ import torch
 import torch.distributed as dist
 
 from fxoverlap.kernels import a2a, dedup, grouped_gemm
+from fxoverlap.ir.errors import FxOverlapError
+
+
+class DispatchRowsError(FxOverlapError, RuntimeError):
+    """``fxoverlap::dispatch`` received a different number of rows than its caller promised (``out_rows``)."""
 
 # ---------------------------------------------------------------- dispatch / combine
 
@@ -30,7 +35,7 @@ def _dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     y, recv = a2a.dispatch_tokens(x, send_counts, a2a.resolve_group(group_name), recv_counts)
     if out_rows >= 0 and y.shape[0] != out_rows:
-        raise RuntimeError(
+        raise DispatchRowsError(
             f"fxoverlap::dispatch received {y.shape[0]} rows but the caller promised "
             f"{out_rows} (capacity routing must send the same number of rows to every expert)"
         )

@@ -8,6 +8,11 @@ from collections.abc import Iterator
 import torch.fx.traceback as fx_traceback
 
 from fxoverlap.ir.meta import REGION_KEY
+from fxoverlap.ir.errors import FxOverlapError
+
+
+class RegionError(FxOverlapError, ValueError):
+    """``fxoverlap.region`` was given a name that is not a region."""
 
 REGIONS = frozenset({"mhc", "dispatch", "combine", "experts"})
 
@@ -28,6 +33,6 @@ def region(name: str) -> Iterator[None]:
     keep the marker in their eager code.
     """
     if name not in REGIONS:
-        raise ValueError(f"fxoverlap.region: unknown region {name!r}; expected one of {sorted(REGIONS)}")
+        raise RegionError(f"fxoverlap.region: unknown region {name!r}; expected one of {sorted(REGIONS)}")
     with fx_traceback.annotate({REGION_KEY: name}):
         yield

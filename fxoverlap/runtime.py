@@ -25,6 +25,7 @@ import torch.nn as nn
 from fxoverlap.ir import program as program_ops
 from fxoverlap.ir.meta import STEP_KEY
 from fxoverlap.ir.capture import Capture, inner_value
+from fxoverlap.ir.errors import FxOverlapError, InternalError
 from fxoverlap.ir.program import Step, bucket_value
 from fxoverlap.ir.stage import Direction, Stage, StreamKind
 
@@ -35,7 +36,7 @@ StageHook = Callable[[torch.fx.Node, Stage, Callable[[], Sequence]], Sequence]
 GradSink = Callable[[str, torch.Tensor, bool], None]
 
 
-class StageFailed(RuntimeError):
+class StageFailed(FxOverlapError, RuntimeError):
     """A stage raised while the program ran; names the stage and microbatch."""
 
     @classmethod
@@ -185,10 +186,10 @@ class ProgramRunner:
                 self._traced.append((node.name, mb))
             elif node.op == "call_function":
                 if node.target not in methods:
-                    raise AssertionError(f"runtime: program node {node.name} calls {node.target}, which is "
+                    raise InternalError(f"runtime: program node {node.name} calls {node.target}, which is "
                                          f"not a program op")
                 if node.target is program_ops.reduce_grads and self.reducer is None:
-                    raise AssertionError(f"runtime: program node {node.name} reduces gradients, but the "
+                    raise InternalError(f"runtime: program node {node.name} reduces gradients, but the "
                                          f"runner has no reducer (ProgramRunner(reducer=...))")
                 self._bound.append((methods[node.target], node.args))
                 self._traced.append((node.name, node.args[0]) if node.target is program_ops.free else None)

@@ -13,6 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fxoverlap.ir.errors import FxOverlapError
+
+
+class RankError(FxOverlapError, RuntimeError):
+    """A rank of a multi-process test run raised; the message holds each failing rank's error."""
 
 
 def free_port() -> int:
@@ -51,7 +56,7 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:
         results = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     errors = [f"rank {r}: {msg}" for r, (status, msg) in enumerate(results) if status == "error"]
     if errors:
-        raise RuntimeError("\n".join(errors))
+        raise RankError("\n".join(errors))
     return [value for _, value in results]
 
 

@@ -18,6 +18,11 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from fxoverlap.ir.errors import FxOverlapError
+
+
+class ExpertSplitError(FxOverlapError, ValueError):
+    """The experts cannot be split evenly over the expert-parallel group."""
 
 # Host copies of the split sizes, keyed by the recv_counts tensor object they were
 # computed for. A dispatch pays one device-to-host sync for its counts; the combine
@@ -59,7 +64,7 @@ def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None) 
     """``send_counts[E]`` (per global expert) -> ``recv_counts[ep, El]``."""
     ep = world_size(group)
     if send_counts.numel() % ep:
-        raise ValueError(
+        raise ExpertSplitError(
             f"fxoverlap dispatch: {send_counts.numel()} experts cannot be split over an "
             f"expert-parallel group of {ep} ranks; make the expert count a multiple of "
             f"the group size"

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxoverlap.kernels.a2a import _recall, _remember, world_size
+from fxoverlap.kernels.a2a import ExpertSplitError, _recall, _remember, world_size
 from fxoverlap.kernels.row_sum import sum_per_row
 
 
@@ -80,7 +80,7 @@ def dispatch(
     """Returns ``(pairs_x [P, D], pairs_w [P], recv_pairs [ep, El], pair_index [P], slot, recv_rows)``."""
     ep = world_size(group)
     if n_experts % ep:
-        raise ValueError(
+        raise ExpertSplitError(
             f"fxoverlap token_dispatch: {n_experts} experts cannot be split over an expert-parallel "
             f"group of {ep} ranks; make the expert count a multiple of the group size"
         )

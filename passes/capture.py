@@ -63,12 +63,13 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.capture import Capture, Choice, SubclassLayout, inner_value
 from fxoverlap.ir.meta import CHECKPOINT_KEY, LIST_KEY
 from fxoverlap.passes.layers import choose_container, resolve
 
 
-class CaptureError(RuntimeError):
+class CaptureError(FxOverlapError, RuntimeError):
     """The model cannot be captured as it is; the message says why and what to change."""
 
 

@@ -57,6 +57,7 @@ import torch.fx
 from torch.fx.node import map_arg
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap import ops  # noqa: F401  (registers the generic ops)
 from fxoverlap.config import DEEPEP_DISPATCHERS, DISPATCHERS
 from fxoverlap.dispatch_ops import OVERFLOW_KEY, STATIC_OPS, OverflowFlags, OverflowSite
@@ -86,7 +87,7 @@ _STATIC_TARGETS = set(STATIC_OPS.values())
 _GROUP_AWARE = {_fx.grouped_mm_wgrad.default, *_STATIC_TARGETS, operator.getitem}
 
 
-class DispatcherError(RuntimeError):
+class DispatcherError(FxOverlapError, RuntimeError):
     """The configured dispatcher cannot lower this graph; the message says why and what to change."""
 
 

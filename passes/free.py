@@ -57,6 +57,7 @@ import torch.fx
 from fxoverlap.ir.capture import Capture
 from fxoverlap.ir.program import free as free_op
 from fxoverlap.ir.program import record_event, steps
+from fxoverlap.ir.errors import InternalError
 
 
 def free(program: torch.fx.GraphModule, capture: Capture) -> torch.fx.GraphModule:
@@ -95,7 +96,7 @@ def free(program: torch.fx.GraphModule, capture: Capture) -> torch.fx.GraphModul
             if v in static:
                 continue
             if (mb, v) not in anchor:
-                raise AssertionError(
+                raise InternalError(
                     f"free: program node {n.name} reads {v} of microbatch {mb}, which is neither a "
                     f"parameter, buffer, input, tangent nor the output of an earlier stage call"
                 )

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.capture import Capture
 from fxoverlap.passes.split import launches_kernel
 from fxoverlap.ir.stage import Stage, StreamKind
@@ -53,7 +54,7 @@ from fxoverlap.ir.stage import Stage, StreamKind
 log = logging.getLogger("fxoverlap")
 
 
-class InductorError(RuntimeError):
+class InductorError(FxOverlapError, RuntimeError):
     """Inductor could not compile a stage; the message names the stage and how to fall back."""
 
 

@@ -68,12 +68,13 @@ import operator
 import torch
 import torch.fx
 
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import (CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, SAVED_COMM_KEY, TAG_KEY, custom,
                             draws_random_numbers, is_host_sync, op_name)
 from fxoverlap.ir.stage import COMM_KINDS, Direction, StageKind, Tag
 
 
-class RecomputeError(RuntimeError):
+class RecomputeError(FxOverlapError, RuntimeError):
     """Recompute was asked for but cannot be applied; the message says why."""
 
 

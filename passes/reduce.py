@@ -67,6 +67,11 @@ from fxoverlap.ir.bucket import Bucket, GradSlot, slots_end
 from fxoverlap.ir.capture import Capture
 from fxoverlap.ir.program import Step, bucket_value, steps
 from fxoverlap.ir.stage import StageKind, StreamKind
+from fxoverlap.ir.errors import FxOverlapError
+
+
+class ReduceError(FxOverlapError, NotImplementedError):
+    """The reduce pass cannot bucket these gradients (tensor-subclass parameters); the message says what to do."""
 
 ALIGN = 64  # elements: each gradient's offset in a flat buffer is a multiple of this
 
@@ -118,7 +123,7 @@ def _param_meta(capture: Capture) -> dict[str, tuple[tuple[int, ...], torch.dtyp
 
 def reduce(program: torch.fx.GraphModule, capture: Capture, bucket_bytes: int) -> torch.fx.GraphModule:
     if capture.grad_layouts:  # their gradients leave the graph as parts; buckets hold whole ones
-        raise NotImplementedError(
+        raise ReduceError(
             f"reduce: parameters {sorted(capture.grad_layouts)[:3]} are tensor subclasses (DTensors); "
             f"fxoverlap reduces plain gradients over dp_group only: leave dp_group/expert_dp_group unset "
             f"and reduce those gradients after forward_backward")

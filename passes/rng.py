@@ -48,11 +48,12 @@ from __future__ import annotations
 
 import torch.fx
 
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import RNG_ORDER_KEY, TAG_KEY, draws_random_numbers, op_name
 from fxoverlap.ir.stage import COMM_KINDS, Direction, Part, StageKind, Tag, stage_name
 
 
-class RngOrderError(RuntimeError):
+class RngOrderError(FxOverlapError, RuntimeError):
     """Random ops cannot keep eager's order of draws in the stages; the message says which and why."""
 
 

@@ -77,6 +77,11 @@ from fxoverlap.ir.capture import Capture
 from fxoverlap.passes.rng import RngOrderError
 from fxoverlap.ir.program import StageCall, Step
 from fxoverlap.ir.stage import LAYER_KIND_ORDER, RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind
+from fxoverlap.ir.errors import FxOverlapError, InternalError
+
+
+class ScheduleError(FxOverlapError, ValueError):
+    """The schedule was asked for something it cannot build (no microbatch)."""
 
 F, B, K = Direction.FWD, Direction.BWD, StageKind
 
@@ -210,14 +215,14 @@ def schedule(
     stages: list[Stage], capture: Capture, num_microbatches: int, forward_only: bool = False
 ) -> torch.fx.GraphModule:
     if num_microbatches < 1:
-        raise ValueError("schedule: need at least one microbatch")
+        raise ScheduleError("schedule: need at least one microbatch")
     num_layers = capture.num_layers
     e = _Emitter(stages, capture)
     for r in stages:
         if r.kind in RECOMPUTE_KINDS:
             readers = [s for s in stages if set(r.outputs) & set(s.inputs)]
             if not readers:
-                raise AssertionError(f"schedule: no stage reads the outputs of recompute stage {r.name}")
+                raise InternalError(f"schedule: no stage reads the outputs of recompute stage {r.name}")
             for s in readers:
                 e.recompute_for.setdefault(s.name, []).append(r)
     e.forward(0, num_layers)
@@ -231,7 +236,7 @@ def schedule(
     expected = [s for s in stages if not forward_only or s.direction is F]
     missing = [(s.name, mb) for mb in range(num_microbatches) for s in expected if (s.name, mb) not in e.emitted]
     if missing:
-        raise AssertionError(f"schedule: stages never placed: {missing[:5]}")
+        raise InternalError(f"schedule: stages never placed: {missing[:5]}")
     _check_draws(e.graph, {s.name: s for s in stages})
     e.graph.output(None)
     gm = torch.fx.GraphModule(e.root, e.graph, class_name="Program")

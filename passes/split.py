@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from fxoverlap.ir.meta import RECOMPUTE_LAYERS_KEY, TAG_KEY, computes, is_host_sync, op_name
 from fxoverlap.ir.stage import COMM_KINDS, Direction, Part, Stage, StageKind, Tag, stage_name
+from fxoverlap.ir.errors import InternalError
 
 
 def _has_unbacked_shape(node: torch.fx.Node) -> bool:
@@ -216,7 +217,7 @@ def _check_order(stages: list[Stage]) -> None:
         for i in s.inputs:
             node_stage = producer.get(i)
             if node_stage is not None and i not in produced:
-                raise AssertionError(
+                raise InternalError(
                     f"split: stage {s.name} reads {i} from {node_stage.name}, which runs later; "
                     f"the tag pass left a cycle"
                 )

@@ -55,6 +55,7 @@ import warnings
 import torch
 import torch.fx
 
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.kernels.deepep import DEEPEP_COMBINE_OPS, DEEPEP_DISPATCH_OPS
 from fxoverlap.ir.meta import CHILD_KEY, LAYER_KEY, REGION_KEY, TAG_KEY, custom, is_host_sync, op_name
 from fxoverlap.ir.capture import Capture
@@ -79,7 +80,7 @@ _WAIT_OPS = frozenset({"_c10d_functional.wait_tensor"})
 _REGION_KINDS = {"dispatch": StageKind.DISPATCH, "combine": StageKind.COMBINE}
 
 
-class TagError(RuntimeError):
+class TagError(FxOverlapError, RuntimeError):
     """The graph's layers or communication cannot be told apart; the message says how to fix it."""
 
 

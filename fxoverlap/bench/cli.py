@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from fxoverlap.config import OverlapConfig
+from fxoverlap.config import ConfigError, OverlapConfig
 from fxoverlap.models.moe import MoEConfig
 
 MODES = ("eager", "compile", "backend", "fxoverlap")
@@ -92,7 +92,7 @@ def parse_overlap_config(text: str) -> OverlapConfig:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, val = item.partition("=")
         if not sep or key not in fields:
-            raise ValueError(f"--overlap-config: {item!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
+            raise ConfigError(f"--overlap-config: {item!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
         default = fields[key].default
         if isinstance(default, bool):
             kw[key] = val.lower() in ("1", "true", "yes", "on")

@@ -10,6 +10,11 @@ from typing import Any
 import torch
 
 from fxoverlap.bench.metrics import ProgramCall
+from fxoverlap.ir.errors import FxOverlapError
+
+
+class ProbeError(FxOverlapError, RuntimeError):
+    """The bench probe's runtime called a program node other than the one the program has next."""
 
 
 class _Clock:
@@ -77,7 +82,7 @@ class TimelineProbe:
     def _next_call(self, node_name: str) -> ProgramCall:
         if self.i >= len(self.calls) or self.calls[self.i].name != node_name:
             want = self.calls[self.i].name if self.i < len(self.calls) else "nothing"
-            raise RuntimeError(f"bench probe: the runtime called {node_name} where the program has {want}")
+            raise ProbeError(f"bench probe: the runtime called {node_name} where the program has {want}")
         self.i += 1
         return self.calls[self.i - 1]
 

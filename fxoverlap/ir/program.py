@@ -24,6 +24,11 @@ import torch.nn as nn
 
 from fxoverlap.ir.meta import STEP_KEY
 from fxoverlap.ir.stage import StreamKind
+from fxoverlap.ir.errors import FxOverlapError
+
+
+class ProgramError(FxOverlapError, RuntimeError):
+    """A program marker was used as a module (a program is walked by the runtime, not called)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,7 @@ class StageCall(nn.Module):
         self.stage_name = stage_name
 
     def forward(self, microbatch: int):  # pragma: no cover - the runtime interprets the program
-        raise RuntimeError("a program is walked by fxoverlap.runtime.ProgramRunner, not called")
+        raise ProgramError("a program is walked by fxoverlap.runtime.ProgramRunner, not called")
 
 
 def record_event(name: str, stream: str) -> None:

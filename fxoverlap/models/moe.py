@@ -28,6 +28,12 @@ from torch.utils.checkpoint import checkpoint
 
 from fxoverlap import ops
 from fxoverlap.models.mhc import HyperConnection, contract_streams, expand_streams
+from fxoverlap.ir.errors import FxOverlapError
+
+
+class ModelConfigError(FxOverlapError, ValueError):
+    """A reference model's config (``MoEConfig``) or its expert-parallel split is inconsistent;
+    the message names the field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,24 +70,24 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         if self.mhc_rate is not None and self.mhc_rate < 1:
-            raise ValueError(
+            raise ModelConfigError(
                 f"MoEConfig.mhc_rate is the number of residual streams of mHC and must be >= 1 "
                 f"(or None for off), got {self.mhc_rate}"
             )
         pattern = self.pattern
         if len(pattern) != self.n_layers:
-            raise ValueError(f"layer_pattern has {len(pattern)} entries for {self.n_layers} layers")
+            raise ModelConfigError(f"layer_pattern has {len(pattern)} entries for {self.n_layers} layers")
         if bad := [p for p in pattern if p not in ("moe", "dense")]:
-            raise ValueError(f"layer_pattern entries must be 'moe' or 'dense', got {bad}")
+            raise ModelConfigError(f"layer_pattern entries must be 'moe' or 'dense', got {bad}")
         if self.dim % self.n_heads:
-            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+            raise ModelConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if self.token_dedup and self.routing != "dropless":
-            raise ValueError(
+            raise ModelConfigError(
                 "MoEConfig.token_dedup needs routing='dropless' (capacity routing sends fixed-size buffers "
                 "per expert); set routing='dropless' or token_dedup=False"
             )
         if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k must be in [1, n_experts], got {self.top_k}")
+            raise ModelConfigError(f"top_k must be in [1, n_experts], got {self.top_k}")
 
     @property
     def pattern(self) -> tuple[str, ...]:
@@ -203,7 +209,7 @@ class MoE(nn.Module):
         super().__init__()
         ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         if cfg.n_experts % ep:
-            raise ValueError(
+            raise ModelConfigError(
                 f"MoE: {cfg.n_experts} experts cannot be split over an expert-parallel "
                 f"group of {ep} ranks; choose n_experts as a multiple of {ep}"
             )
