@@ -174,7 +174,14 @@ NEEDS = {
 
 
 def _modules() -> list[str]:
-    names = [m.name for m in pkgutil.walk_packages(fxoverlap.__path__, "fxoverlap.")]
+    # passes/ and kernels/ install as fxoverlap.passes / fxoverlap.kernels through package_dir: walk each
+    import fxoverlap.kernels
+    import fxoverlap.passes
+
+    names = set()
+    for pkg in (fxoverlap, fxoverlap.passes, fxoverlap.kernels):
+        names |= {m.name for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")}
+    names |= {"fxoverlap.passes", "fxoverlap.kernels"}
     assert {"fxoverlap.passes.tag", "fxoverlap.kernels.a2a", "fxoverlap.ir.errors"} <= set(names)
     return sorted(n for n in names if n not in NOT_IMPORTED)
 
