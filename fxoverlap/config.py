@@ -125,6 +125,13 @@ class OverlapConfig:
         reduce_bucket_mb: gradients are reduced in flat buckets of at least this
             many MiB (25, as DDP's ``bucket_cap_mb``), each issued as soon as its
             gradients are final; ``0``: one bucket per backward stage and group.
+        disable_passes: names of passes to switch off, for debugging (``fxoverlap.passes.PASSES``
+            lists them in order, with why each can or cannot be). Switchable: ``"side"`` (as
+            ``side_stages=False``), ``"cudagraph"`` (no CUDA graphs), ``"inductor"`` (compute
+            stages op by op, as ``compiler="eager"``), ``"free"`` (values live to the end of the
+            step, as ``free_early=False``): each leaves a correct program. The others
+            (dispatcher, tag, rng, recompute, split, schedule, reduce, streams) make or guard
+            the program; naming one, or an unknown name, raises ValueError listing the valid ones.
     """
 
     compiler: Literal["inductor", "eager"] | None = None
@@ -143,6 +150,7 @@ class OverlapConfig:
     dispatch_capacity_factor: float | None = None
     grad_reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
     reduce_bucket_mb: float = 25.0
+    disable_passes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dispatcher not in DISPATCHERS:
@@ -163,6 +171,10 @@ class OverlapConfig:
             )
         if self.grad_reduce not in GRAD_REDUCE_MODES:
             raise ConfigError(f"OverlapConfig.grad_reduce must be one of {GRAD_REDUCE_MODES}, got {self.grad_reduce!r}")
+        if isinstance(self.disable_passes, str):
+            object.__setattr__(self, "disable_passes", (self.disable_passes,))
+        elif not isinstance(self.disable_passes, tuple):
+            object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if not self.reduce_bucket_mb >= 0:
             raise ConfigError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
 

@@ -19,9 +19,9 @@ from fxoverlap.expert_parallel import ExpertParallelError, explain_capture_error
 from fxoverlap.grad_reduce import GradReduceConfigError, GradReduceError, GradReduction, check_groups
 from fxoverlap.ir.bucket import Bucket
 from fxoverlap.ir.errors import FxOverlapError
-from fxoverlap.ir.stage import Stage
+from fxoverlap.ir.stage import Stage, format_stage_table, render_rows as _render
 from fxoverlap.passes.capture import Capture, capture, input_signature
-from fxoverlap.pipeline import build_program, build_stages
+from fxoverlap.pipeline import build_program, build_stages, check_disable_passes
 from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
 
 log = logging.getLogger("fxoverlap")
@@ -124,6 +124,7 @@ class Engine:
         for group, name in ((ep_group, "ep_group"), (dp_group, "dp_group"), (expert_dp_group, "expert_dp_group")):
             check_group(group, name)
         _check_expert_split(model, ep_group)
+        check_disable_passes(config.disable_passes)  # before any capture: the error comes first
         self.model, self.ep_group, self.config = model, ep_group, config
         groups = check_groups(ep_group, dp_group, expert_dp_group)
         if groups is None and config.grad_reduce != "all_reduce":
@@ -352,25 +353,6 @@ class Engine:
 def _describe(mb: Sequence[torch.Tensor]) -> str:
     return "(" + ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" if isinstance(t, torch.Tensor)
                            else type(t).__name__ for t in mb) + ")"
-
-
-def format_stage_table(stages: Sequence[Stage]) -> str:
-    """One line per stage: name, layer, kind, direction, stream, #ops, inputs, outputs, how it
-    runs (``inductor`` / ``eager`` / ``graphed``), and whether a CUDA graph can hold it."""
-    rows = [("stage", "layer", "kind", "dir", "stream", "ops", "in", "out", "runs", "capturable")]
-    for s in stages:
-        rows.append((s.name, str(s.layer), str(s.kind), str(s.direction), str(s.stream),
-                     str(len(s.op_list())), str(len(s.inputs)), str(len(s.outputs)), s.runs_as,
-                     "yes" if s.capturable else f"no: {s.not_capturable_reason.split(': ', 1)[-1]}"))
-    return _render(rows)
-
-
-def _render(rows: list[tuple[str, ...]]) -> str:
-    """Rows as aligned columns (the last one left ragged)."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows
-    )
 
 
 def format_grad_table(buckets: Sequence[Bucket], reduction: GradReduction) -> str:

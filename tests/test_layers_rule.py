@@ -34,7 +34,7 @@ def _installed_layout(tmp: pathlib.Path) -> pathlib.Path:
 def _lint(tmp: pathlib.Path) -> subprocess.CompletedProcess:
     lint = shutil.which("lint-imports") or str(pathlib.Path(sys.executable).parent / "lint-imports")
     env = {"PYTHONPATH": str(tmp), "PATH": str(pathlib.Path(sys.executable).parent)}
-    return subprocess.run([lint, "--config", str(tmp / "setup.cfg"), "--no-cache"], cwd=tmp, env=env,
+    return subprocess.run([lint, str(tmp / "setup.cfg"), "--no-cache"], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

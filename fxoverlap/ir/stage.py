@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch.fx
 
@@ -193,3 +193,22 @@ class Stage:
 
     def __repr__(self) -> str:
         return f"Stage({self.name}, {self.tag}, stream={self.stream}, in={len(self.inputs)}, out={len(self.outputs)})"
+
+
+def format_stage_table(stages: Sequence[Stage]) -> str:
+    """One line per stage: name, layer, kind, direction, stream, #ops, inputs, outputs, how it
+    runs (``inductor`` / ``eager`` / ``graphed``), and whether a CUDA graph can hold it."""
+    rows = [("stage", "layer", "kind", "dir", "stream", "ops", "in", "out", "runs", "capturable")]
+    for s in stages:
+        rows.append((s.name, str(s.layer), str(s.kind), str(s.direction), str(s.stream),
+                     str(len(s.op_list())), str(len(s.inputs)), str(len(s.outputs)), s.runs_as,
+                     "yes" if s.capturable else f"no: {s.not_capturable_reason.split(': ', 1)[-1]}"))
+    return render_rows(rows)
+
+
+def render_rows(rows: list[tuple[str, ...]]) -> str:
+    """Rows as aligned columns (the last one left ragged)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows
+    )
