@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from fxoverlap.kernels import a2a, padded, static_ep
 from fxoverlap.config import ConfigError
+from fxoverlap.ir.capture import Capture, OverflowFlags, OverflowSite
 from fxoverlap.ir.errors import FxOverlapError
 
-OVERFLOW_KEY = "fxoverlap_overflow_flags"  # gm.meta: OverflowFlags, set by the dispatcher pass
 
 
 def _transport(name: str) -> static_ep.Transport:
@@ -148,26 +148,6 @@ class DispatchOverflow(FxOverlapError, RuntimeError):
     gradients were discarded (``p.grad`` is as it was before the step)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class OverflowSite:
-    """One forward dispatch whose capacity is below the worst case."""
-
-    layer: int | None
-    node: str
-    capacity: int  # rows per link
-    worst_case: int  # rows per link that can never overflow
-    share: float  # the balanced share of rows per link, which dispatch_capacity_factor multiplies
-
-
-@dataclasses.dataclass(frozen=True)
-class OverflowFlags:
-    """What the dispatcher pass leaves in ``gm.meta[OVERFLOW_KEY]``."""
-
-    buffer: str  # attribute of the graph module: int64 [len(sites)], max rows on one link per site
-    sites: tuple[OverflowSite, ...]
-    group_name: str
-
-
 def check_overflow(flags: torch.Tensor, sites: Sequence[OverflowSite], group: dist.ProcessGroup | None) -> None:
     """Raise :class:`DispatchOverflow` if any site needed more rows than its capacity.
 
@@ -194,15 +174,15 @@ def check_overflow(flags: torch.Tensor, sites: Sequence[OverflowSite], group: di
 
 
 @contextlib.contextmanager
-def overflow_guard(gm: torch.fx.GraphModule, model: torch.nn.Module) -> Iterator[None]:
+def overflow_guard(capture: Capture, model: torch.nn.Module) -> Iterator[None]:
     """Around one step of ``gm``'s stages: reset its overflow flags, and on overflow put
     every ``p.grad`` back as it was before the step and raise. A no-op without flags
     (worst-case capacity: nothing is read)."""
-    info: OverflowFlags | None = gm.meta.get(OVERFLOW_KEY)
+    info: OverflowFlags | None = capture.overflow
     if info is None:
         yield
         return
-    flags = getattr(gm, info.buffer)
+    flags = getattr(capture.graph_module, info.buffer)
     flags.zero_()
     before = {p: None if p.grad is None else p.grad.clone() for p in model.parameters()}
     yield

@@ -23,6 +23,7 @@ from fxoverlap.ir.stage import Stage, format_stage_table, render_rows as _render
 from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.pipeline import build_program, build_stages, check_disable_passes
 from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
+from fxoverlap.ir.program import program_of
 
 log = logging.getLogger("fxoverlap")
 
@@ -171,7 +172,7 @@ class Engine:
                 comm_stream_priority=self.config.comm_stream_priority,
                 cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, device),
                 record_memory=self.config.record_memory,
-                reducer=(self.grad_reduction.bind(prog.meta["buckets"], plan.capture, self.model)
+                reducer=(self.grad_reduction.bind(program_of(prog).buckets, plan.capture, self.model)
                          if train and self.grad_reduction is not None else None),
             )
         return runner
@@ -261,7 +262,7 @@ class Engine:
         plan = self._plan(mbs[0], loss_fn, train=True)
         runner = self._runner(plan, len(mbs))
         self._last = (plan, len(mbs))
-        with overflow_guard(plan.capture.graph_module, self.model):
+        with overflow_guard(plan.capture, self.model):
             state = runner.run(static_values(plan.capture, self.model), mbs, on_error=self._abort_group)
         if self.config.record_memory:
             self.memory_trace = state.memory_trace
@@ -274,7 +275,7 @@ class Engine:
         """Forward only, through the forward stage graphs; returns the model's output."""
         plan = self._plan(inputs, None, train=False)
         runner = self._runner(plan, 1, train=False)
-        with overflow_guard(plan.capture.graph_module, self.model):
+        with overflow_guard(plan.capture, self.model):
             state = runner.run(static_values(plan.capture, self.model), [inputs], on_error=self._abort_group)
         return state.outputs[0][plan.capture.outputs[0]]
 
@@ -326,7 +327,7 @@ class Engine:
             return "no data parallelism: gradients stay local (optimize(..., dp_group=...) reduces them)"
         if self._last is None:
             return "no forward_backward yet"
-        buckets = self.program.meta["buckets"]
+        buckets = program_of(self.program).buckets
         return format_grad_table(buckets, self.grad_reduction)
 
     def shard_parameters(self) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ Contract
   ``tag`` sees the same layers; every ``meta["val"]`` is re-propagated with the
   capture's fake mode, so no unbacked size is left and ``split`` marks the expert
   stages capturable; the default capacity is the worst case (dropless stays dropless,
-  nothing is flagged or read); below it, ``gm.meta[OVERFLOW_KEY]`` names the device
+  nothing is flagged or read); below it, the returned ``Lowering.overflow`` (kept as ``Capture.overflow``) names the device
   buffer the dispatches write their busiest link into. Raises ``DispatcherError`` for
   a backend that cannot run here, and for a reduction over the padded rows.
 
@@ -60,7 +60,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap import ops  # noqa: F401  (registers the generic ops)
 from fxoverlap.config import DEEPEP_DISPATCHERS, DISPATCHERS
-from fxoverlap.dispatch_ops import OVERFLOW_KEY, STATIC_OPS, OverflowFlags, OverflowSite
+from fxoverlap.dispatch_ops import STATIC_OPS
+from fxoverlap.ir.capture import OverflowFlags, OverflowSite
 from fxoverlap.kernels import a2a
 from fxoverlap.ir.meta import LAYER_KEY
 
@@ -154,8 +155,9 @@ def find_sites(gm: torch.fx.GraphModule, factor: float | None) -> list[Site]:
     return sites
 
 
-def rewrite_sites(gm: torch.fx.GraphModule, sites: list[Site], transport: str) -> None:
-    """Swap every site's nodes for static ops; give flagged dispatches the overflow buffer."""
+def rewrite_sites(gm: torch.fx.GraphModule, sites: list[Site], transport: str) -> OverflowFlags | None:
+    """Swap every site's nodes for static ops; give flagged dispatches the overflow buffer (returned
+    with the sites it flags; None when no capacity is below the worst case)."""
     graph = gm.graph
     flagged = [s for s in sites if s.capacity < s.worst_case]
     flags = None
@@ -182,8 +184,16 @@ def rewrite_sites(gm: torch.fx.GraphModule, sites: list[Site], transport: str) -
             new.name = name  # free again: stage inputs/outputs keep their all_to_all names
             if node is site.dispatch and site in flagged:
                 overflow_sites.append(OverflowSite(site.layer, new.name, site.capacity, site.worst_case, site.share))
-    if flagged:
-        gm.meta[OVERFLOW_KEY] = OverflowFlags(_OVERFLOW_BUFFER, tuple(overflow_sites), sites[0].group_name)
+    return OverflowFlags(_OVERFLOW_BUFFER, tuple(overflow_sites), sites[0].group_name) if flagged else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """What :func:`dispatcher` chose: the backend the EP ops run on, and the overflow flags of a
+    capacity below the worst case (None: nothing can overflow)."""
+
+    backend: str
+    overflow: OverflowFlags | None = None
 
 
 class _Prop(FakeTensorProp):
@@ -308,8 +318,9 @@ def _resolve(backend: str, gm: torch.fx.GraphModule, sites: list[Site]) -> str:
 
 
 def dispatcher(gm: torch.fx.GraphModule, backend: str = "auto", capacity_factor: float | None = None
-               ) -> torch.fx.GraphModule:
-    """Lower ``gm``'s generic EP ops to ``backend`` in place (see the module docstring); returns ``gm``."""
+               ) -> Lowering:
+    """Lower ``gm``'s generic EP ops to ``backend`` in place (see the module docstring); returns what
+    was chosen (the caller records it on the :class:`~fxoverlap.ir.capture.Capture`)."""
     if capacity_factor is not None and capacity_factor <= 0:
         raise DispatcherError(
             f"OverlapConfig.dispatch_capacity_factor must be > 0 (or None for the worst case), got {capacity_factor}")
@@ -322,10 +333,9 @@ def dispatcher(gm: torch.fx.GraphModule, backend: str = "auto", capacity_factor:
                 f"dispatcher={backend!r} runs all_to_all here (variable split sizes, nothing to bound); set "
                 f"dispatcher='padded' (or 'symm_mem' on one CUDA host), or drop the factor"
             )
-        return gm
-    rewrite_sites(gm, sites, chosen)
+        return Lowering(chosen)
+    overflow = rewrite_sites(gm, sites, chosen)
     _propagate(gm)
     check_row_wise(gm)
     _fold_sizes(gm)
-    gm.meta["fxoverlap_dispatcher"] = chosen
-    return gm
+    return Lowering(chosen, overflow)

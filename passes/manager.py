@@ -106,7 +106,8 @@ class Pass:
 # --- adapters: one signature around each pass module's public entry point ---------------------
 
 def _dispatcher(st: PassState) -> None:
-    dispatcher(st.capture.graph_module, st.config.dispatcher, st.config.dispatch_capacity_factor)
+    lowering = dispatcher(st.capture.graph_module, st.config.dispatcher, st.config.dispatch_capacity_factor)
+    st.capture.dispatcher, st.capture.overflow = lowering.backend, lowering.overflow
 
 
 def _tag(st: PassState) -> None:

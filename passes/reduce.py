@@ -24,7 +24,7 @@ Guarantees:
   compute stream, read ``bucket_value(b)``: every reduction has finished when the
   program does (no reduction is left running after ``forward_backward`` returns);
 - the accumulates of microbatches 0..N-2 are untouched: they all run before B(N-1);
-- ``program.meta["buckets"]``: the buckets, in the order they are issued.
+- ``program_of(program).buckets``: the buckets, in the order they are issued.
 
 Buckets are filled in the order gradients become final in B(N-1) (which is the plain
 backward order for every N), like DDP's reverse-parameter-order buckets: a bucket of a
@@ -65,7 +65,7 @@ from fxoverlap.ir import program as program_ops
 from fxoverlap.ir.meta import STEP_KEY, TAG_KEY
 from fxoverlap.ir.bucket import Bucket, GradSlot, slots_end
 from fxoverlap.ir.capture import Capture
-from fxoverlap.ir.program import Step, bucket_value, steps
+from fxoverlap.ir.program import Step, bucket_value, program_of, steps
 from fxoverlap.ir.stage import StageKind, StreamKind
 from fxoverlap.ir.errors import FxOverlapError
 
@@ -128,7 +128,7 @@ def reduce(program: torch.fx.GraphModule, capture: Capture, bucket_bytes: int) -
             f"fxoverlap reduces plain gradients over dp_group only: leave dp_group/expert_dp_group unset "
             f"and reduce those gradients after forward_backward")
     graph = program.graph
-    last = program.meta["num_microbatches"] - 1
+    last = program_of(program).num_microbatches - 1
     roles = parameter_roles(capture)  # 1.
     meta = _param_meta(capture)
 
@@ -186,6 +186,6 @@ def reduce(program: torch.fx.GraphModule, capture: Capture, bucket_bytes: int) -
             fin = graph.create_node("call_function", program_ops.finish_reduce, (last, bucket.index),
                                     name=f"finish_bucket{bucket.index}")
         fin.meta[STEP_KEY] = Step(last, StreamKind.COMP, reads=(bucket_value(bucket.index),))
-    program.meta["buckets"] = tuple(buckets)
+    program_of(program).buckets = tuple(buckets)
     program.recompile()
     return program

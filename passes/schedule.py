@@ -72,10 +72,10 @@ import torch.fx
 import torch.nn as nn
 
 from fxoverlap.ir import program as program_ops
-from fxoverlap.ir.meta import STEP_KEY
+from fxoverlap.ir.meta import PROGRAM_KEY, STEP_KEY
 from fxoverlap.ir.capture import Capture
 from fxoverlap.passes.rng import RngOrderError
-from fxoverlap.ir.program import StageCall, Step
+from fxoverlap.ir.program import Program, StageCall, Step
 from fxoverlap.ir.stage import LAYER_KIND_ORDER, RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind
 from fxoverlap.ir.errors import FxOverlapError, InternalError
 
@@ -240,7 +240,7 @@ def schedule(
     _check_draws(e.graph, {s.name: s for s in stages})
     e.graph.output(None)
     gm = torch.fx.GraphModule(e.root, e.graph, class_name="Program")
-    gm.meta = {"num_microbatches": num_microbatches, "num_layers": num_layers}
+    gm.meta = {PROGRAM_KEY: Program(gm, num_microbatches, num_layers, forward_only)}
     return gm
 
 

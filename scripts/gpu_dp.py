@@ -46,6 +46,7 @@ from fxoverlap.bench import routing_fields
 from fxoverlap.grad_reduce import reduce_scatter_single
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import rel_l2, share_plans
+from fxoverlap.ir.program import program_of
 
 # shape: (model config, sequence length, sequences per microbatch, microbatches)
 SHAPES = {
@@ -197,7 +198,7 @@ def main() -> None:
         clear(model, engines[mode])
     local = fxoverlap.optimize(model, ep_group, fxoverlap.OverlapConfig(**base))
     share_plans(engines[MODES[0]], local)
-    buckets = engines[MODES[0]].program.meta["buckets"]
+    buckets = program_of(engines[MODES[0]].program).buckets
     groups = engines[MODES[0]].grad_reduction.groups
     meta.update(buckets=len(buckets), bucket_roles=[b.role for b in buckets],
                 bucket_mib=[round(b.numel * b.dtype.itemsize / 2**20, 2) for b in buckets])

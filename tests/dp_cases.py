@@ -21,6 +21,7 @@ from fxoverlap.grad_reduce import reduce_scatter_single
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.ir.program import finish_reduce, reduce_grads
 from fxoverlap.testing import eager_steps, share_plans, take_grads
+from fxoverlap.ir.program import program_of
 from numerics_cases import make_batches
 
 EXPERT_NAMES = ("moe.experts.", "moe.w_in", "moe.w_out")  # MoETransformer's and TitanTransformer's
@@ -118,11 +119,11 @@ def order_facts(program) -> dict:
                 produced_at[v] = pos[x.name]
     reduces = {x.args[1]: x for x in nodes if x.target is reduce_grads}
     finishes = [pos[x.name] for x in nodes if x.target is finish_reduce]
-    upper = [b for b in program.meta["buckets"] if (bucket_layer(b) or 0) >= 1]
+    upper = [b for b in program_of(program).buckets if (bucket_layer(b) or 0) >= 1]
     return dict(
         # no reduction before its last contribution: after every stage call writing its values
         after_contributions=all(pos[reduces[b.index].name] > max(produced_at[s.value] for s in b.slots)
-                                for b in program.meta["buckets"]),
+                                for b in program_of(program).buckets),
         upper_before_l0_starts=all(pos[reduces[b.index].name] < min(l0) for b in upper),
         upper_before_l0_ends=all(pos[reduces[b.index].name] < max(l0) for b in upper),
         finishes_last=min(finishes) > max(pos[x.name] for x in reduces.values()) and
@@ -156,7 +157,7 @@ def numerics(rank: int, world: int, models: list[str], ns: list[int]) -> list[di
                     engine.forward_backward(mbs)
                     row = dict(model=name, delay_wgrad=delay, mode=mode, n=n, seconds=time.perf_counter() - t0)
                     prog = engine.program
-                    flat_ref = reduce_flat_by_hand(local, prog.meta["buckets"], edp, mode)
+                    flat_ref = reduce_flat_by_hand(local, program_of(prog).buckets, edp, mode)
                     if mode == "all_reduce":
                         got = take_grads(model)
                         row.update(_compare(got, ref))
@@ -170,7 +171,7 @@ def numerics(rank: int, world: int, models: list[str], ns: list[int]) -> list[di
                         for v in engine.shard_parameters():
                             v.grad = None
                     row["leftover"] = engine.leftover  # values the stores still hold at the end
-                    row["buckets"] = len(prog.meta["buckets"])
+                    row["buckets"] = len(program_of(prog).buckets)
                     row["reduce_nodes"] = sum(1 for x in prog.graph.nodes if x.target is reduce_grads)
                     row["finish_nodes"] = sum(1 for x in prog.graph.nodes if x.target is finish_reduce)
                     row.update(order_facts(prog))
@@ -197,7 +198,7 @@ def ep1_dp4(rank: int, world: int) -> dict:
         ref[name] = g.div_(world)
     engine.forward_backward(mbs)
     row = _compare(take_grads(model), ref)
-    row["roles"] = [b.role for b in engine.program.meta["buckets"]]
+    row["roles"] = [b.role for b in program_of(engine.program).buckets]
     row["table"] = engine.grad_table()
     return row
 
@@ -281,7 +282,7 @@ def timeline(rank: int, world: int, n_layers: int = 3, n: int = 3) -> dict:
     engine.forward_backward(mbs)
     trace = list(runner.reducer.trace)
     runner.hook, runner.reducer.trace = None, None
-    buckets = engine.program.meta["buckets"]
+    buckets = program_of(engine.program).buckets
     l0 = [(a, b) for name, a, b in stage_times if name.startswith(f"B{n - 1}_l0_")]
     return dict(order=order_facts(engine.program), l0_start=min(a for a, _ in l0), l0_end=max(b for _, b in l0),
                 trace=trace, bucket_layer={b.index: bucket_layer(b) for b in buckets})

@@ -27,6 +27,7 @@ from fxoverlap.passes.reduce import ALIGN, parameter_roles, reduce
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
 from fxoverlap.testing import run_distributed
+from fxoverlap.ir.program import program_of
 from snapshot_utils import render_program, requires_pinned_torch
 from test_snapshots import _stages as _build_stages
 
@@ -170,7 +171,7 @@ def test_roles_and_layout():
     roles = parameter_roles(cap)
     assert {k for k, v in roles.items() if v == "expert"} == {f"layers.0.moe.experts.w{i}" for i in (1, 2, 3)}
     program = reduce(schedule(stages, cap, 2), cap, bucket_bytes=25 * 2**20)
-    buckets = program.meta["buckets"]
+    buckets = program_of(program).buckets
     assert [b.role for b in buckets] == ["dense", "expert"]  # a small model: one bucket per role
     for b in buckets:
         ends = [s.offset + s.numel for s in b.slots]

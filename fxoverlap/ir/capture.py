@@ -62,6 +62,26 @@ def inner_value(t, path: tuple[str, ...]):
     return t
 
 
+@dataclasses.dataclass(frozen=True)
+class OverflowSite:
+    """One forward dispatch whose capacity is below the worst case."""
+
+    layer: int | None
+    node: str
+    capacity: int  # rows per link
+    worst_case: int  # rows per link that can never overflow
+    share: float  # the balanced share of rows per link, which dispatch_capacity_factor multiplies
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowFlags:
+    """The overflow flags of a static dispatcher below the worst case (``Capture.overflow``)."""
+
+    buffer: str  # attribute of the graph module: int64 [len(sites)], max rows on one link per site
+    sites: tuple[OverflowSite, ...]
+    group_name: str
+
+
 @dataclasses.dataclass
 class Capture:
     """The joint graph of one train step and what its placeholders and outputs mean.
@@ -105,6 +125,10 @@ class Capture:
     grad_opaque: dict[tuple[str, tuple[str, ...]], str] = dataclasses.field(default_factory=dict)
     # (FQN, attribute path) of an opaque gradient leaf -> the placeholder that holds it
     layer_choice: Choice | None = None  # the layer list chosen, and the candidates considered
+    # the dispatcher pass: the backend it lowered the EP ops to (None: not run, or the graph has none to
+    # lower), and the overflow flags of a capacity below the worst case (None: nothing can overflow)
+    dispatcher: str | None = None
+    overflow: OverflowFlags | None = None
 
     @property
     def loss_name(self) -> str:

@@ -46,6 +46,8 @@ SAVED_COMM_KEY = "fxoverlap_saved_comm_layers"  # recompute: layers whose checkp
 
 # ---- program node metadata
 STEP_KEY = "fxoverlap_step"
+# ---- program metadata (the program's GraphModule.meta): its fxoverlap.ir.program.Program record
+PROGRAM_KEY = "fxoverlap_program"
 
 
 def custom(node: torch.fx.Node) -> dict:

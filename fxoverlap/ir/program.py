@@ -22,13 +22,32 @@ import dataclasses
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap.ir.meta import STEP_KEY
+from fxoverlap.ir.bucket import Bucket
+from fxoverlap.ir.meta import PROGRAM_KEY, STEP_KEY
 from fxoverlap.ir.stage import StreamKind
 from fxoverlap.ir.errors import FxOverlapError
 
 
 class ProgramError(FxOverlapError, RuntimeError):
     """A program marker was used as a module (a program is walked by the runtime, not called)."""
+
+
+@dataclasses.dataclass
+class Program:
+    """The facts about a program that are not nodes: ``schedule`` makes it, ``reduce`` adds the
+    buckets. ``graph_module`` is the program itself (what ``engine.program`` returns); it
+    carries this record as ``graph_module.meta[PROGRAM_KEY]`` (:func:`program_of`)."""
+
+    graph_module: torch.fx.GraphModule
+    num_microbatches: int
+    num_layers: int
+    forward_only: bool = False
+    buckets: tuple[Bucket, ...] = ()  # reduce: the gradient buckets, in the order they are issued
+
+
+def program_of(program: torch.fx.GraphModule) -> Program:
+    """The :class:`Program` record of a program ``schedule`` emitted."""
+    return program.meta[PROGRAM_KEY]
 
 
 @dataclasses.dataclass(frozen=True)
