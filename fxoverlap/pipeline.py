@@ -20,6 +20,7 @@ from fxoverlap.passes.free import free
 from fxoverlap.passes.manager import (PASSES, SWITCHABLE, Pass, PassState, build_program, build_stages,
                                       check_disable_passes, emit_artifacts, format_plan, run_passes)
 from fxoverlap.passes.schedule import schedule
+from fxoverlap.passes.streams import streams
 from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
 
 __all__ = ["PASSES", "SWITCHABLE", "Pass", "PassState", "build_program", "build_stages", "check_disable_passes",
@@ -30,7 +31,7 @@ def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
               inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """One microbatch, stages in plain order (all forward, then all backward), gradients
     into ``p.grad``; returns the loss. The reference the interleaved program must equal."""
-    program = free(schedule(list(stages), capture, 1), capture)
+    program = free(streams(schedule(list(stages), capture, 1)), capture)
     device = next(model.parameters()).device
     runner = ProgramRunner(program, stages, capture, device, grads=accumulate_into(model, capture))
     state = runner.run(static_values(capture, model), [inputs])

@@ -164,7 +164,6 @@ class ProgramRunner:
             program_ops.accumulate: self.accumulate, program_ops.mutate: self.mutate,
             program_ops.reduce_grads: self.reduce_grads, program_ops.finish_reduce: self.finish_reduce,
         }
-        stream_of: dict[tuple[int, str], StreamKind] = {}  # (mb, value) -> stream that writes it
         self._bound: list[tuple[Callable, tuple]] = []
         self._traced: list[tuple[str, int] | None] = []  # (node, microbatch) whose live bytes record_memory traces
         self.backward_start: int | None = None  # index of the first node of the backward part
@@ -173,11 +172,7 @@ class ProgramRunner:
             if node.op == "call_module":
                 stage = self.stages[step.stage]
                 mb = step.microbatch
-                # inputs written on the other stream (placeholders count as compute)
-                cross = tuple(i for i, v in enumerate(step.reads)
-                              if stream_of.get((mb, v), StreamKind.COMP) is not step.stream)
-                for v in step.writes:
-                    stream_of[(mb, v)] = step.stream
+                cross = step.cross  # decided by the streams pass
                 if stage.direction is Direction.BWD and self.backward_start is None:
                     self.backward_start = len(self._bound)
                     while self.backward_start and self._bound[self.backward_start - 1][0] == self.wait_event:
@@ -191,7 +186,9 @@ class ProgramRunner:
                 if node.target is program_ops.reduce_grads and self.reducer is None:
                     raise InternalError(f"runtime: program node {node.name} reduces gradients, but the "
                                          f"runner has no reducer (ProgramRunner(reducer=...))")
-                self._bound.append((methods[node.target], node.args))
+                # a marker with a Step runs what its Step says (its args are derived from it)
+                step_args = program_ops.marker_args(node.target, step) if step is not None else node.args
+                self._bound.append((methods[node.target], step_args))
                 self._traced.append((node.name, node.args[0]) if node.target is program_ops.free else None)
 
     def _ctx(self, stream: StreamKind):

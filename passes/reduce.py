@@ -65,7 +65,7 @@ from fxoverlap.ir import program as program_ops
 from fxoverlap.ir.meta import STEP_KEY, TAG_KEY
 from fxoverlap.ir.bucket import Bucket, GradSlot, slots_end
 from fxoverlap.ir.capture import Capture
-from fxoverlap.ir.program import Step, bucket_value, program_of, steps
+from fxoverlap.ir.program import Step, add_marker, bucket_value, marker_args, program_of, steps
 from fxoverlap.ir.stage import StageKind, StreamKind
 from fxoverlap.ir.errors import FxOverlapError
 
@@ -171,21 +171,21 @@ def reduce(program: torch.fx.GraphModule, capture: Capture, bucket_bytes: int) -
             bucket = buckets[b]
             values = tuple(slot.value for slot in bucket.slots)
             with graph.inserting_after(at):
-                at = graph.create_node("call_function", program_ops.reduce_grads, (last, b, *values),
-                                       name=f"reduce_bucket{b}")
-            at.meta[STEP_KEY] = Step(last, StreamKind.COMM, reads=values, writes=(bucket_value(b),))
-        keep = tuple(v for v in node.args[1:] if v not in bucketed)
+                at = add_marker(graph, program_ops.reduce_grads,
+                                Step(last, StreamKind.COMM, reads=values, writes=(bucket_value(b),), bucket=b),
+                                name=f"reduce_bucket{b}")
+        keep = tuple(v for v in node.meta[STEP_KEY].reads if v not in bucketed)
         if keep:
-            node.args = (last, *keep)
             node.meta[STEP_KEY] = dataclasses.replace(node.meta[STEP_KEY], reads=keep)
+            node.args = marker_args(node.target, node.meta[STEP_KEY])
         else:
             graph.erase_node(node)
     out = next(iter(graph.find_nodes(op="output")))
     for bucket in buckets:
         with graph.inserting_before(out):
-            fin = graph.create_node("call_function", program_ops.finish_reduce, (last, bucket.index),
-                                    name=f"finish_bucket{bucket.index}")
-        fin.meta[STEP_KEY] = Step(last, StreamKind.COMP, reads=(bucket_value(bucket.index),))
+            add_marker(graph, program_ops.finish_reduce,
+                       Step(last, StreamKind.COMP, reads=(bucket_value(bucket.index),), bucket=bucket.index),
+                       name=f"finish_bucket{bucket.index}")
     program_of(program).buckets = tuple(buckets)
     program.recompile()
     return program

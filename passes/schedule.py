@@ -72,11 +72,11 @@ import torch.fx
 import torch.nn as nn
 
 from fxoverlap.ir import program as program_ops
-from fxoverlap.ir.meta import PROGRAM_KEY, STEP_KEY
 from fxoverlap.ir.capture import Capture
-from fxoverlap.passes.rng import RngOrderError
-from fxoverlap.ir.program import Program, StageCall, Step
+from fxoverlap.ir.meta import PROGRAM_KEY, STEP_KEY
+from fxoverlap.ir.program import Program, StageCall, Step, add_marker
 from fxoverlap.ir.stage import LAYER_KIND_ORDER, RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind
+from fxoverlap.passes.rng import RngOrderError
 from fxoverlap.ir.errors import FxOverlapError, InternalError
 
 
@@ -135,11 +135,10 @@ class _Emitter:
         for marker, names in self.sinks:
             values = tuple(v for v in s.outputs if v in names)
             if values:
-                sink = self.graph.call_function(marker, (mb, *values))
-                sink.name = f"{marker.__name__}_{node.name}"
                 # a mutation also reads (writes into) the buffer or input it updates
                 targets = tuple(self.mutations[v] for v in values) if marker is program_ops.mutate else ()
-                sink.meta[STEP_KEY] = Step(mb, s.stream, reads=values + targets, slot=self.slot)
+                add_marker(self.graph, marker, Step(mb, s.stream, reads=values + targets, slot=self.slot),
+                           name=f"{marker.__name__}_{node.name}")
 
     # ---- plain orders (F(0), the forward-only program, the drain B(N-1))
     def forward(self, mb: int, num_layers: int) -> None:

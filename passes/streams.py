@@ -5,7 +5,9 @@ Contract
 Assumes: ``schedule`` ran (every stage call and sink carries a ``Step`` with its
 stream, reads and writes).
 
-Guarantees: for every edge from a node on one stream to a node of the same
+Guarantees: every node's ``Step.cross`` names the reads written on the other stream
+(inputs, parameters and buffers count as the compute stream's), which the runtime
+keeps alive for that stream. For every edge from a node on one stream to a node of the same
 microbatch on the other that reads what it wrote, the producer records an event
 right after it and the consumer waits on it right before it; nothing else is
 added. A wait is left out when the consumer's stream already waited on a later
@@ -31,9 +33,12 @@ Entry point: ``streams(program) -> GraphModule``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx
 
+from fxoverlap.ir.meta import STEP_KEY
 from fxoverlap.ir.program import record_event, steps, wait_event
 from fxoverlap.ir.stage import StreamKind
 
@@ -60,6 +65,12 @@ def streams(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
             with graph.inserting_before(n):
                 graph.call_function(wait_event, ("start", COMM))
             start_waited = True
+        # reads written on the other stream (inputs and parameters: the compute stream's), for the runtime
+        cross_reads = tuple(i for i, v in enumerate(step.reads)
+                            if (stream_of[producer[(step.microbatch, v)]] if (step.microbatch, v) in producer
+                                else COMP) != stream)
+        if cross_reads:
+            n.meta[STEP_KEY] = dataclasses.replace(step, cross=cross_reads)
         deps = {producer[(step.microbatch, v)] for v in step.reads if (step.microbatch, v) in producer}
         cross = sorted((p for p in deps if stream_of[p] != stream), key=position.get)
         if cross:

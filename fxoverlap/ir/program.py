@@ -60,6 +60,11 @@ class Step:
     writes: tuple[str, ...] = ()
     stage: str | None = None  # the stage a stage call runs
     slot: tuple[int, int, int] | None = None  # (merged step, layer pair, slot), None outside the slots
+    bucket: int | None = None  # reduce_grads / finish_reduce: the bucket
+    # streams: positions in ``reads`` of the values written on the other stream (the inputs,
+    # parameters and buffers count as the compute stream's): the runtime keeps their memory
+    # from being reused on the writer's stream until this node's stream is done with them
+    cross: tuple[int, ...] = ()
 
 
 class StageCall(nn.Module):
@@ -114,6 +119,28 @@ def bucket_value(bucket: int) -> str:
 
 
 MARKERS = (record_event, wait_event, free, output, accumulate, mutate, reduce_grads, finish_reduce)
+# markers whose dataflow is a Step (their args are derived from it); the others carry their args only
+STEP_MARKERS = (output, accumulate, mutate, reduce_grads, finish_reduce)
+
+
+def marker_args(marker, step: Step) -> tuple:
+    """The arguments of a marker that carries a Step, derived from it: the one encoding of the
+    node's dataflow (the args only make the program's code readable; the runtime binds these).
+    A mutation's reads are its new values, then the buffers or inputs they go into, pairwise."""
+    if marker is reduce_grads:
+        return (step.microbatch, step.bucket, *step.reads)
+    if marker is finish_reduce:
+        return (step.microbatch, step.bucket)
+    if marker is mutate:
+        return (step.microbatch, *step.reads[: len(step.reads) // 2])
+    return (step.microbatch, *step.reads)
+
+
+def add_marker(graph: torch.fx.Graph, marker, step: Step, name: str | None = None) -> torch.fx.Node:
+    """A marker node at the graph's insertion point, its args derived from ``step`` (:func:`marker_args`)."""
+    node = graph.create_node("call_function", marker, marker_args(marker, step), name=name)
+    node.meta[STEP_KEY] = step
+    return node
 for _f in MARKERS:
     _f.__module__ = "fxoverlap.program"
 
