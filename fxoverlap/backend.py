@@ -96,8 +96,7 @@ from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import CHECKPOINT_KEY
 from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
 from fxoverlap.ir.meta import LIST_KEY
-from fxoverlap.pipeline import build_program, build_stages
-from fxoverlap.runtime import ProgramRunner
+from fxoverlap.pipeline import build_program, build_stages, make_runner
 from fxoverlap.ir.stage import Stage
 
 __all__ = [
@@ -469,14 +468,13 @@ class CompiledStep:
         self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
         self._graphs = GraphCache(config.cuda_graphs)
         graphs = self._graphs.get(program, stages, capture_, device)
-        make_runner = functools.partial(ProgramRunner, program, stages, capture_, device, grads=None,
-                                        comm_stream_priority=config.comm_stream_priority)
-        self.runner = make_runner(cuda_graphs=graphs)
+        make = functools.partial(make_runner, program, stages, capture_, device, config, grads=None)
+        self.runner = make(cuda_graphs=graphs)
         # The program has one microbatch, so one copy of each graph: a forward that
         # starts while a graphed forward still awaits its backward (two losses summed
         # before one backward) runs on a runner without graphs, made the first time,
         # rather than overwrite it.
-        self._make_plain, self._plain = make_runner, None
+        self._make_plain, self._plain = make, None
         self._awaiting_backward: weakref.ref | None = None
         if graphs is not None:
             _graphed_steps.add(self)

@@ -21,8 +21,8 @@ from fxoverlap.ir.bucket import Bucket
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.stage import Stage, format_stage_table, render_rows as _render
 from fxoverlap.passes.capture import Capture, capture, input_signature
-from fxoverlap.pipeline import build_program, build_stages, check_disable_passes
-from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
+from fxoverlap.pipeline import build_program, build_stages, check_disable_passes, make_runner
+from fxoverlap.runtime import ProgramRunner, StageHook, accumulate_into, static_values
 from fxoverlap.ir.program import program_of
 
 log = logging.getLogger("fxoverlap")
@@ -165,17 +165,28 @@ class Engine:
     def _runner(self, plan: Plan, n: int, train: bool = True) -> ProgramRunner:
         runner = plan.runners.get(n)
         if runner is None:
-            prog, device = self._program(plan, n, train), self._device()
-            runner = plan.runners[n] = ProgramRunner(
-                prog, plan.stages, plan.capture, device,
-                grads=accumulate_into(self.model, plan.capture) if train else None,
-                comm_stream_priority=self.config.comm_stream_priority,
-                cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, device),
-                record_memory=self.config.record_memory,
-                reducer=(self.grad_reduction.bind(program_of(prog).buckets, plan.capture, self.model)
-                         if train and self.grad_reduction is not None else None),
-            )
+            runner = plan.runners[n] = self._make_runner(plan, n, train)
         return runner
+
+    def _make_runner(self, plan: Plan, n: int, train: bool = True, hook: StageHook | None = None) -> ProgramRunner:
+        prog, device = self._program(plan, n, train), self._device()
+        return make_runner(
+            prog, plan.stages, plan.capture, device, self.config,
+            grads=accumulate_into(self.model, plan.capture) if train else None,
+            cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, device),
+            reducer=(self.grad_reduction.bind(program_of(prog).buckets, plan.capture, self.model)
+                     if train and self.grad_reduction is not None else None),
+            hook=hook,
+        )
+
+    def runner(self, microbatches: Sequence, loss_fn: Callable | None = None,
+               hook: StageHook | None = None) -> ProgramRunner:
+        """The runner ``forward_backward(microbatches, loss_fn)`` uses (its CUDA graphs and gradient
+        reduction), or with ``hook``, a new one like it whose every stage call goes through the
+        hook (the benchmark's stage timing). Run it with ``runner.run(static_values(...), mbs)``."""
+        mbs = self._check(microbatches, loss_fn, "runner")
+        plan = self._plan(mbs[0], loss_fn, train=True)
+        return self._runner(plan, len(mbs)) if hook is None else self._make_runner(plan, len(mbs), hook=hook)
 
     def plan(self, microbatches: Sequence, loss_fn: Callable | None = None) -> PlanView:
         """Capture and build (or reuse) what ``forward_backward(microbatches, loss_fn)`` would

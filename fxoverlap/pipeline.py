@@ -21,10 +21,21 @@ from fxoverlap.passes.manager import (PASSES, SWITCHABLE, Pass, PassState, build
                                       check_disable_passes, emit_artifacts, format_plan, run_passes)
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
-from fxoverlap.runtime import ProgramRunner, accumulate_into, static_values
+from fxoverlap.config import OverlapConfig
+from fxoverlap.runtime import GradSink, ProgramRunner, StageHook, accumulate_into, static_values
 
 __all__ = ["PASSES", "SWITCHABLE", "Pass", "PassState", "build_program", "build_stages", "check_disable_passes",
-           "emit_artifacts", "format_plan", "run_passes", "run_plain"]
+           "emit_artifacts", "format_plan", "make_runner", "run_passes", "run_plain"]
+
+
+def make_runner(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Capture, device: torch.device,
+                config: OverlapConfig, *, grads: GradSink | None = None, cuda_graphs=None, reducer=None,
+                hook: StageHook | None = None) -> ProgramRunner:
+    """The one place a :class:`ProgramRunner` is made (the engine, the backend and the benchmark):
+    the config's runtime options (comm stream priority, memory recording) applied alike."""
+    return ProgramRunner(program, stages, capture, device, grads=grads,
+                         comm_stream_priority=config.comm_stream_priority, cuda_graphs=cuda_graphs,
+                         record_memory=config.record_memory, reducer=reducer, hook=hook)
 
 
 def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
@@ -33,6 +44,6 @@ def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
     into ``p.grad``; returns the loss. The reference the interleaved program must equal."""
     program = free(streams(schedule(list(stages), capture, 1)), capture)
     device = next(model.parameters()).device
-    runner = ProgramRunner(program, stages, capture, device, grads=accumulate_into(model, capture))
+    runner = make_runner(program, stages, capture, device, OverlapConfig(), grads=accumulate_into(model, capture))
     state = runner.run(static_values(capture, model), [inputs])
     return state.outputs[0][capture.loss_name]

@@ -17,7 +17,6 @@ from fxoverlap.bench import MODES, parse_args, parse_overlap_config, routing_fie
 from fxoverlap.bench.metrics import (
     ProgramCall,
     combine_rank_times,
-    kind_of,
     overlap_efficiency,
     serial_and_bound,
     stream_sums,
@@ -64,9 +63,9 @@ def test_combine_rank_times_takes_slowest_compute_and_fastest_comm():
 
 def test_timeline_stats():
     tl = [
-        {"name": "F1_l0_attn", "stage": "fwd_l0_attn", "stream": "comp", "start": 0.0, "end": 4.0},
-        {"name": "B0_l0_combine", "stage": "bwd_l0_combine", "stream": "comm", "start": 1.0, "end": 6.0},
-        {"name": "B0_l0_experts", "stage": "bwd_l0_experts", "stream": "comp", "start": 5.0, "end": 8.0},
+        {"name": "F1_l0_attn", "stage": "fwd_l0_attn", "kind": "attn", "stream": "comp", "start": 0.0, "end": 4.0},
+        {"name": "B0_l0_combine", "stage": "bwd_l0_combine", "kind": "combine", "stream": "comm", "start": 1.0, "end": 6.0},
+        {"name": "B0_l0_experts", "stage": "bwd_l0_experts", "kind": "experts", "stream": "comp", "start": 5.0, "end": 8.0},
     ]
     st = timeline_stats([tl], {"F1_l0_attn": 3.0, "B0_l0_combine": 4.0, "B0_l0_experts": 3.0})
     r = st["per_rank"][0]
@@ -75,12 +74,6 @@ def test_timeline_stats():
     assert st["by_kind_rank0"]["B combine"] == {"in_step_ms": 5.0, "alone_ms": 4.0, "calls": 1}
     inside, alone = stream_sums(st["by_kind_rank0"])
     assert (inside, alone) == ({"comp": 7.0, "comm": 5.0}, {"comp": 6.0, "comm": 4.0})
-
-
-def test_kind_of_stage_names():
-    assert [kind_of(n) for n in ("fwd_model_embed", "bwd_l3_attn_wgrad", "fwd_l0_experts", "bwd_l1_recompute",
-                                  "fwd_l2_attn_side", "something")] == [
-        "embed", "attn", "experts", "recompute", "attn", "other"]
 
 
 def test_args():

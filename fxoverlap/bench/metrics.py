@@ -104,14 +104,6 @@ def intersection_length(a: Sequence[Interval], b: Sequence[Interval]) -> float:
     return tot
 
 
-def kind_of(stage_name: str) -> str:
-    """The kind of a stage from its name (``"<dir>_<layer>_<kind>[_<part>]"``,
-    :func:`fxoverlap.ir.stage.stage_name`); ``"other"`` for a name of another shape."""
-    parts = stage_name.split("_", 2)
-    tail = parts[2] if len(parts) == 3 else stage_name
-    return next((k.value for k in StageKind if tail.startswith(k.value)), "other")
-
-
 def timeline_stats(timelines: Sequence[Sequence[dict]], stage_ms: dict[str, float]) -> dict[str, Any]:
     """From one probed step: per rank, how busy each stream was and how much of the comm
     stream's time ran while the compute stream was busy; per (direction, kind) on rank 0,
@@ -132,7 +124,7 @@ def timeline_stats(timelines: Sequence[Sequence[dict]], stage_ms: dict[str, floa
         })
     kinds: dict[str, dict[str, float]] = {}
     for e in timelines[0] if timelines else []:
-        key = f"{e['name'][0]} {kind_of(e['stage'])}"
+        key = f"{e['name'][0]} {e['kind']}"
         k = kinds.setdefault(key, {"in_step_ms": 0.0, "alone_ms": 0.0, "calls": 0})
         k["in_step_ms"] += e["end"] - e["start"]
         k["alone_ms"] += stage_ms.get(e["name"], 0.0)

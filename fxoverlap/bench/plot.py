@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from fxoverlap.bench.metrics import COMM, COMP, kind_of
+from fxoverlap.bench.metrics import COMM, COMP
 
 KIND_COLORS = {
     "embed": "#7f7f7f", "attn": "#1f77b4", "dispatch": "#d62728", "experts": "#2ca02c", "mlp": "#2ca02c",
@@ -35,7 +35,7 @@ def plot_timeline(timelines: Sequence[Sequence[dict]], path: str, title: str = "
         for e in timelines[rank]:
             if e["stream"] != stream:
                 continue
-            kind = kind_of(e["stage"])
+            kind = e["kind"]
             bwd = e["name"].startswith("B")
             ax.broken_barh([(e["start"], max(e["end"] - e["start"], end * 1e-4))], (y - 0.38, 0.76),
                            facecolors=KIND_COLORS.get(kind, "#bcbd22"), edgecolor="black", linewidth=0.2,

@@ -64,7 +64,7 @@ class TimelineProbe:
 
     def __init__(self, calls: Sequence[ProgramCall], cuda: bool):
         self.calls, self.clock, self.i = list(calls), _Clock(cuda), 0
-        self.marks: list[tuple[ProgramCall, Any, Any]] = []
+        self.marks: list[tuple[ProgramCall, str, Any, Any]] = []  # (call, its stage's kind, start, end)
         self.origin: Any = None
 
     def start(self) -> None:
@@ -76,7 +76,7 @@ class TimelineProbe:
         with torch.profiler.record_function(f"fxoverlap.stage {call.name}"):
             start = self.clock.mark()
             out = run()
-            self.marks.append((call, start, self.clock.mark()))
+            self.marks.append((call, stage.kind.value, start, self.clock.mark()))
         return out
 
     def _next_call(self, node_name: str) -> ProgramCall:
@@ -87,10 +87,10 @@ class TimelineProbe:
         return self.calls[self.i - 1]
 
     def timeline(self) -> list[dict]:
-        """[{name, stage, mb, stream, slot, start, end}] in ms from the step's start."""
+        """[{name, stage, kind, mb, stream, slot, start, end}] in ms from the step's start."""
         return [
-            {"name": call.name, "stage": call.stage, "mb": call.microbatch, "stream": call.stream,
+            {"name": call.name, "stage": call.stage, "kind": kind, "mb": call.microbatch, "stream": call.stream,
              "slot": list(call.slot) if call.slot else None,
              "start": self.clock.ms(self.origin, s), "end": self.clock.ms(self.origin, e)}
-            for call, s, e in self.marks
+            for call, kind, s, e in self.marks
         ]

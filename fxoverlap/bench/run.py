@@ -32,7 +32,7 @@ from fxoverlap.bench.probe import StageTimer, TimelineProbe
 from fxoverlap.bench.report import summary
 from fxoverlap.models.moe import MoETransformer
 from fxoverlap.engine import PlanView
-from fxoverlap.runtime import ProgramRunner, StageHook, accumulate_into, static_values
+from fxoverlap.runtime import StageHook, static_values
 from fxoverlap.testing import grad_compare, token_batches
 
 
@@ -177,10 +177,9 @@ class Bench:
 
     # -- stage timing
     def run_program(self, plan: PlanView, hook: StageHook) -> None:
-        """The engine's program for these microbatches, each stage call through ``hook``."""
-        runner = ProgramRunner(plan.program, plan.stages, plan.capture, self.device,
-                               grads=accumulate_into(self.model, plan.capture),
-                               comm_stream_priority=self.engine.config.comm_stream_priority, hook=hook)
+        """The engine's program for these microbatches as the engine runs it (its CUDA graphs and
+        gradient reduction), each stage call through ``hook``."""
+        runner = self.engine.runner(self.mbs, hook=hook)
         runner.run(static_values(plan.capture, self.model), self.mbs)
 
     def stage_timing(self) -> dict[str, Any]:
