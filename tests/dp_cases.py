@@ -110,7 +110,7 @@ def order_facts(program) -> dict:
     """Where the program places the reductions, from its node order."""
     nodes = [x for x in program.graph.nodes if x.op in ("call_module", "call_function")]
     pos = {x.name: i for i, x in enumerate(nodes)}
-    last = f"B{program.meta['num_microbatches'] - 1}_"
+    last = f"B{program_of(program).num_microbatches - 1}_"
     l0 = [pos[x.name] for x in nodes if x.op == "call_module" and x.name.startswith(last + "l0_")]
     produced_at = {}
     for x in nodes:
