@@ -55,7 +55,7 @@ Steps
 2. Groups: union of the mHC blocks and of the layers each checkpoint call spans.
 3. Clone, per group, what the group's backward reads, inputs first.
 
-Runs between ``tag`` and ``split`` (cloning before it lets ``split`` give the
+Runs after ``rng`` and before ``split`` (cloning before it lets ``split`` give the
 recompute stage explicit inputs and outputs like any other stage).
 
 Entry point: ``recompute(gm, num_layers, mhc_group=None, replay_comm=False) -> GraphModule``.
