@@ -135,6 +135,7 @@ class Engine:
         self.grad_reduction = None if groups is None else GradReduction(groups, config.grad_reduce)
         self._plans: dict[tuple, Plan] = {}
         self._agreed: set[tuple] = set()  # (signature, microbatch count) the EP ranks agreed on
+        self._called: set[tuple] = set()  # input signatures engine(*inputs) checked the model takes
         self._last: tuple[Plan, int] | None = None
         self.memory_trace: list[tuple[str, int, int]] = []
         self.leftover: dict[int, list[str]] = {}  # record_memory: values left in the stores at the end
@@ -284,6 +285,9 @@ class Engine:
 
     def __call__(self, *inputs: torch.Tensor):
         """Forward only, through the forward stage graphs; returns the model's output."""
+        if (sig := input_signature(inputs)) not in self._called:  # the call contract, once per signature
+            _check_call(self.model, None, inputs, "engine(*inputs)")
+            self._called.add(sig)
         plan = self._plan(inputs, None, train=False)
         runner = self._runner(plan, 1, train=False)
         with overflow_guard(plan.capture, self.model):

@@ -106,6 +106,14 @@ def test_microbatch_longer_than_forward_takes():
     assert loss.dim() == 0
 
 
+def test_forward_only_call_checks_the_contract():
+    engine = fxoverlap.optimize(Stack(reduce=False))
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match=r"engine\(\*inputs\): microbatch 0 has 2 tensor\(s\).*Stack.forward\(x\)"):
+        engine(x, x)
+    assert engine(x).shape == (4, 8)
+
+
 def test_loss_fn_that_does_not_take_the_microbatch():
     engine = fxoverlap.optimize(Stack(reduce=False))
     with pytest.raises(TypeError, match=r"fxoverlap calls loss_fn\(output, \*microbatch\), but loss_fn\(out\) "
