@@ -72,8 +72,8 @@ def _as_tuple(mb) -> tuple:
 
 def check_group(group: object, name: str) -> None:
     """``group`` must be a ``torch.distributed.ProcessGroup`` or None."""
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return
+    if group is None or isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return  # (what dist.new_group returns on a rank outside the group: torch's own value)
     hint = ""
     if type(group).__name__ == "DeviceMesh":
         hint = " (a DeviceMesh: pass mesh['<dim>'].get_group())"
