@@ -390,10 +390,11 @@ def expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None = None)
     found = find_experts(model)
     if not found:
         lists = _mlp_lists(model)
+        lists = [entry for entry in lists if entry[1] >= 4]  # fewer are rarely experts (LongCat's 2 dense mlps)
         hint = (f" {lists[0][0]} is a list of {lists[0][1]} {lists[0][2]} modules, but no module is called with them "
-                f"as experts(hidden, indices, weights): its MoE block loops over them itself; expert_parallel "
-                f"replaces a module with that call, so move the block's loop over experts into one"
-                if lists else "")
+                f"as experts(hidden, indices, weights): if they are the experts, their MoE block loops over them "
+                f"itself; expert_parallel replaces a module with that call, so move the block's loop over experts "
+                f"into one" if lists else "")
         raise ExpertParallelError(
             f"fxoverlap.expert_parallel: no MoE experts module found in {type(model).__name__}; expected {_INTERFACE}, "
             f"or such a module (an nn.ModuleList / nn.ModuleDict itself, or with one as its child) that keeps its "

@@ -106,7 +106,8 @@ def build(family: str):
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config_cls = transformers.CONFIG_MAPPING[family]
+    # Multimodal families keep the language model's config under "<family>_text" (Qwen3.5-MoE).
+    config_cls = transformers.CONFIG_MAPPING.get(f"{family}_text") or transformers.CONFIG_MAPPING[family]
     default = config_cls().to_dict()
     fields = {k: v for k, v in TINY.items() if k in default or k == "attn_implementation"}
     fields.update(_tiny_lists(default, TINY["num_hidden_layers"]))
@@ -202,39 +203,51 @@ def run_one(family: str, backend: bool) -> dict:
     return dict(family=family, ranks=ranks, seconds=round(time.perf_counter() - t0, 1))
 
 
-def _cell(ranks: list[dict], mode: str) -> str | None:
+def _mode(ranks: list[dict], mode: str) -> tuple[str, object] | None:
+    """("ok", (loss, grad)) within tolerance, ("off", ...) outside it, ("error", cause), or None (not run)."""
     rows = [r.get(mode) for r in ranks]
     if any(r is None for r in rows):
         return None
     errors = [r["error"] for r in rows if "error" in r]
     if errors:
-        return f"fails: `{errors[0]}`"
-    loss = max(r["loss_rel"] for r in rows)
-    grad = max(r["grad_rel"] for r in rows)
-    extra = ""
-    if mode == "backend" and any(r.get("fallbacks") for r in rows):
-        extra = f" ({sum(len(r['fallbacks']) for r in rows)} fallbacks)"
-    ok = "✅" if loss <= 1e-6 and grad <= 1e-5 and not extra else "❌"
-    return f"{ok} loss {loss:.1e}, grad {grad:.1e}{extra}"
+        return "error", errors[0]
+    loss, grad = max(r["loss_rel"] for r in rows), max(r["grad_rel"] for r in rows)
+    fallbacks = sum(len(r.get("fallbacks", [])) for r in rows)
+    ok = loss <= 1e-6 and grad <= 1e-5 and not fallbacks
+    return ("ok" if ok else "off"), (loss, grad, fallbacks)
 
 
 def table(lines: list[dict]) -> str:
-    out = ["| family | ranks | entry point | result (max over ranks: loss rel diff; per-parameter grad diff / max) |",
-           "|---|---|---|---|"]
+    """One row per family: the entry points that match the unsharded model, the worst difference
+    over them and over both ranks, and the cause of each failure."""
+    out = ["| family | ranks | entry point(s) within tolerance | result: max rel. loss diff; max per-parameter "
+           "grad diff / max|grad|; or the failure |", "|---|---|---|---|"]
     for line in lines:
         name = FAMILIES.get(line["family"], (line["family"],))[0]
         if "error" in line:
-            out.append(f"| {name} | 2 | — | fails building or sharding: `{line['error']}` |")
+            out.append(f"| {name} | 2 | none | fails before sharding: `{line['error']}` |")
             continue
         ranks = line["ranks"]
-        ep_error = ranks[0].get("expert_parallel")
-        if ep_error:
-            out.append(f"| {name} | 2 | expert_parallel | fails: `{ep_error}` |")
+        if ranks[0].get("expert_parallel"):
+            out.append(f"| {name} | 2 | none | `expert_parallel` refuses it: `{ranks[0]['expert_parallel']}` |")
             continue
+        good, worst, notes = [], [0.0, 0.0], []
         for mode in ("eager", "optimize", "backend"):
-            cell = _cell(ranks, mode)
-            if cell is not None:
-                out.append(f"| {name} | 2 | expert_parallel + {mode} | {cell} |")
+            res = _mode(ranks, mode)
+            if res is None:
+                continue
+            kind, val = res
+            if kind == "error":
+                notes.append(f"{mode} fails: `{val}`")
+                continue
+            loss, grad, fallbacks = val
+            if kind == "ok":
+                good.append(mode)
+                worst = [max(worst[0], loss), max(worst[1], grad)]
+            else:
+                notes.append(f"{mode}: loss {loss:.1e}, grad {grad:.1e}" + (f", {fallbacks} fallbacks" if fallbacks else ""))
+        result = f"loss {worst[0]:.1e}, grad {worst[1]:.1e}" if good else ""
+        out.append(f"| {name} | 2 | {', '.join(good) or 'none'} | {'; '.join([result] * bool(good) + notes)} |")
     return "\n".join(out)
 
 

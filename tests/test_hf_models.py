@@ -337,4 +337,4 @@ def test_block_that_loops_over_a_plain_list_error():
         fxoverlap.expert_parallel(model, None)
     msg = str(err.value)
     assert "layers.0.mlp.experts is a list of 4 MLP modules" in msg, msg
-    assert "move the block's loop over experts into one" in msg, msg
+    assert "move the block's loop over experts into one" in msg and "if they are the experts" in msg, msg
