@@ -19,6 +19,13 @@ Contract
     by local expert (``ops.grouped_mm``: traces with the dispatch's unbacked row
     count, in any dtype), ``ops.combine``, unsort, weight, sum over k.
 
+    Experts kept as a list (an ``nn.ModuleList`` / ``nn.ModuleDict`` of E modules of one
+    structure whose parameters sit in ``nn.Linear`` layers, the experts module itself or its
+    child, called the same way): rank r keeps entries ``[r·E/ep, (r+1)·E/ep)`` under their
+    global names and drops the others; the same forward runs the first entry's own forward
+    once on all received rows, its Linear layers replaced by grouped GEMMs over the local
+    entries' weights (stacked per call).
+
     Keeps: the routers, attention, shared experts and every other parameter
     (replicated, untouched); the model's outputs, and its losses per rank. Expert
     gradients become those of the sum of all ranks' losses (each expert sees the
@@ -241,7 +248,8 @@ def _list_layout(name: str, mod: nn.Module) -> _ListLayout:
     for key, entry in entries[1:]:
         got = _signature(entry)
         if got != want:
-            diff = next(((a, b) for a, b in zip(want, got) if a != b), (want[len(got):] or [None])[0:1] + [None])
+            tail = (want[len(got)], "nothing") if len(want) > len(got) else ("nothing", got[len(want)])
+            diff = next(((a, b) for a, b in zip(want, got) if a != b), tail)
             raise ExpertParallelError(
                 f"fxoverlap.expert_parallel: {where} ({type(mod).__name__}) keeps its experts as a list, but entry "
                 f"{key} ({type(entry).__name__}) differs in structure from entry {first_key} "

@@ -106,8 +106,9 @@ def build(family: str):
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    # Multimodal families keep the language model's config under "<family>_text" (Qwen3.5-MoE).
-    config_cls = transformers.CONFIG_MAPPING.get(f"{family}_text") or transformers.CONFIG_MAPPING[family]
+    # Multimodal families: the language model's own config (Qwen3.5-MoE's text_config).
+    config_cls = transformers.CONFIG_MAPPING[family]
+    config_cls = (getattr(config_cls, "sub_configs", None) or {}).get("text_config", config_cls)
     default = config_cls().to_dict()
     fields = {k: v for k, v in TINY.items() if k in default or k == "attn_implementation"}
     fields.update(_tiny_lists(default, TINY["num_hidden_layers"]))

@@ -134,6 +134,8 @@ def rank_view_of(model: torch.nn.Module, own: dict, total: dict, rank: int) -> d
     prefixes = tuple(f"{name}." for name, _ in find_experts(model))
     view = {}
     for name, p in model.named_parameters():
+        if name not in total:  # no gradient in the reference (requires_grad=False: Ernie's moe_statics)
+            continue
         if not name.startswith(prefixes):
             view[name] = own[name]
             continue
