@@ -248,8 +248,9 @@ def _list_layout(name: str, mod: nn.Module) -> _ListLayout:
     for key, entry in entries[1:]:
         got = _signature(entry)
         if got != want:
-            tail = (want[len(got)], "nothing") if len(want) > len(got) else ("nothing", got[len(want)])
-            diff = next(((a, b) for a, b in zip(want, got) if a != b), tail)
+            diff = next(((a, b) for a, b in zip(want, got) if a != b), None)
+            if diff is None:  # one is the other plus more
+                diff = (want[len(got)], "nothing") if len(want) > len(got) else ("nothing", got[len(want)])
             raise ExpertParallelError(
                 f"fxoverlap.expert_parallel: {where} ({type(mod).__name__}) keeps its experts as a list, but entry "
                 f"{key} ({type(entry).__name__}) differs in structure from entry {first_key} "

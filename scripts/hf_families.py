@@ -79,14 +79,36 @@ FAMILIES = {
     "solar_open": ("Solar-Open", {}),
     "hy_v3": ("HY-V3", {}),
     "laguna": ("Laguna", {}),
-    "kimi_linear": ("Kimi-Linear", {}),
-    "mimo_v2_flash": ("MiMo-V2-Flash", {}),
+    "kimi_linear": ("Kimi-Linear", dict(num_experts_per_token=2, num_key_value_heads=4, qk_head_dim=16,
+                                        mlp_layer_types=["dense", "sparse"], linear_head_dim=8, linear_num_heads=4,
+                                        layer_types=["linear_attention", "full_attention"])),
+    "mimo_v2_flash": ("MiMo-V2-Flash", dict(attn_implementation="eager")),
     "deepseek_v32": ("DeepSeek-V3.2", dict(num_key_value_heads=4)),
     "glm_moe_dsa": ("GLM-MoE-DSA", dict(num_key_value_heads=4)),
-    "nemotron_h": ("Nemotron-H", {}),
-    "dbrx": ("DBRX", {}),
+    "nemotron_h": ("Nemotron-H", dict(layers_block_type=["linear_attention", "full_attention", "moe"],
+                                      mamba_num_heads=4, mamba_head_dim=8, n_groups=1, ssm_state_size=8, chunk_size=8,
+                                      moe_shared_expert_intermediate_size=16, use_mamba_kernels=False)),
+    "dbrx": ("DBRX", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                          attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+                          ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2))),
     "llama4": ("Llama-4", {}),
     "jetmoe": ("JetMoE", {}),
+}
+
+
+# Why a family is refused or fails, where the error's first line does not say it (the table's cause).
+WHY = {
+    "longcat_flash": "not a list of MLPs: `LongcatFlashExperts` stacks `gate_up_proj` over the routed *and* the "
+                     "zero-compute (identity) experts ([6, 2I, D] for 4 + 2) but `down_proj` over the routed ones "
+                     "([4, D, I]), and declares no layout (no `@use_experts_implementation`): `expert_parallel` "
+                     "finds no experts module (`ExpertParallelError: no MoE experts module found`). Identity "
+                     "experts are not supported",
+    "llama4": "`Llama4TextExperts` is called as `experts(hidden[E·C, D])` with the tokens already gathered per "
+              "expert, not with indices and weights: `ExpertParallelError: no MoE experts module found`",
+    "jetmoe": "each stacked weight sits in its own `JetMoeParallelExperts` called as `(inputs, expert_size)`: "
+              "`ExpertParallelError: no MoE experts module found`",
+    "dbrx": "expert weights flattened to 2-D `[E·I, D]` (`w1`, `v1`, `w2`): `ExpertParallelError: no MoE "
+            "experts module found`",
 }
 
 
@@ -230,7 +252,8 @@ def table(lines: list[dict]) -> str:
             continue
         ranks = line["ranks"]
         if ranks[0].get("expert_parallel"):
-            out.append(f"| {name} | 2 | none | `expert_parallel` refuses it: `{ranks[0]['expert_parallel']}` |")
+            why = WHY.get(line["family"]) or f"`{ranks[0]['expert_parallel']}`"
+            out.append(f"| {name} | 2 | none | `expert_parallel` refuses it: {why} |")
             continue
         good, worst, notes = [], [0.0, 0.0], []
         for mode in ("eager", "optimize", "backend"):
