@@ -89,7 +89,7 @@ FAMILIES = {
                                       mamba_num_heads=4, mamba_head_dim=8, n_groups=1, ssm_state_size=8, chunk_size=8,
                                       moe_shared_expert_intermediate_size=16, use_mamba_kernels=False)),
     "dbrx": ("DBRX", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
-                          attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+                          attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                           ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2))),
     "llama4": ("Llama-4", {}),
     "jetmoe": ("JetMoE", {}),
@@ -270,6 +270,12 @@ def table(lines: list[dict]) -> str:
                 worst = [max(worst[0], loss), max(worst[1], grad)]
             else:
                 notes.append(f"{mode}: loss {loss:.1e}, grad {grad:.1e}" + (f", {fallbacks} fallbacks" if fallbacks else ""))
+        merged: dict[str, list[str]] = {}  # one failure cause, the modes it stops
+        for note in notes:
+            mode, _, rest = note.partition(" fails: ") if " fails: " in note else (note, "", "")
+            merged.setdefault(rest or note, []).append(mode if rest else "")
+        notes = [f"{' and '.join(modes)} fail{'s' if len(modes) == 1 else ''}: {cause}" if modes[0] else cause
+                 for cause, modes in merged.items()]
         result = f"loss {worst[0]:.1e}, grad {worst[1]:.1e}" if good else ""
         out.append(f"| {name} | 2 | {', '.join(good) or 'none'} | {'; '.join([result] * bool(good) + notes)} |")
     return "\n".join(out)
