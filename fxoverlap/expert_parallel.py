@@ -19,6 +19,13 @@ Contract
     by local expert (``ops.grouped_mm``: traces with the dispatch's unbacked row
     count, in any dtype), ``ops.combine``, unsort, weight, sum over k.
 
+    Experts kept as a list (an ``nn.ModuleList`` / ``nn.ModuleDict`` of E modules of one
+    structure whose parameters sit in ``nn.Linear`` layers, the experts module itself or its
+    child, called the same way): rank r keeps entries ``[r·E/ep, (r+1)·E/ep)`` under their
+    global names and drops the others; the same forward runs the first entry's own forward
+    once on all received rows, its Linear layers replaced by grouped GEMMs over the local
+    entries' weights (stacked per call).
+
     Keeps: the routers, attention, shared experts and every other parameter
     (replicated, untouched); the model's outputs, and its losses per rank. Expert
     gradients become those of the sum of all ranks' losses (each expert sees the
@@ -34,6 +41,7 @@ Pseudo-code::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import re
@@ -89,6 +97,59 @@ class _Layout:
     transposed: bool  # weights stored [E, in, out] instead of [E, out, in]
     bias: bool
 
+    def run(self, mod: nn.Module, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return _local_experts(mod, self, x, tokens_per_expert)
+
+
+class _GroupedLinear(nn.Module):
+    """Stands in for one ``nn.Linear`` of a list expert inside the template: the same Linear of
+    every local expert, stacked, as one grouped GEMM over rows grouped by local expert."""
+
+    def __init__(self, path: str, ctx: dict):
+        super().__init__()
+        self.path = path
+        self.ctx = ctx  # shared with the layout: "experts" (the local modules), "offs", "row_expert"
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The first local expert's weight: for the MLP code that reads its dtype or device."""
+        return self.ctx["experts"][0].get_submodule(self.path).weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.ctx["experts"][0].get_submodule(self.path).bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linears = [e.get_submodule(self.path) for e in self.ctx["experts"]]
+        # Stacked per call: each expert's Linear stays its own parameter (same name, same
+        # gradient), at the cost of one copy of the local weights per call.
+        w = torch.stack([lin.weight for lin in linears])  # [E_local, out, in]
+        b = torch.stack([lin.bias for lin in linears]) if linears[0].bias is not None else None
+        return _grouped_linear(x, w, b, self.ctx["offs"], self.ctx["row_expert"], transposed=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ListLayout:
+    """Experts kept as a list of modules of one structure: this rank's entries, and a template
+    (a copy of the first, its Linear layers replaced by :class:`_GroupedLinear`) whose own forward
+    runs every local expert at once on rows grouped by local expert."""
+
+    container: str  # "" (the experts module is the list) or the name of its list child
+    template: nn.Module
+    ctx: dict
+    bias: bool
+
+    def run(self, mod: nn.Module, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        self.ctx["offs"] = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+        self.ctx["row_expert"] = None
+        if self.bias:
+            local = torch.arange(tokens_per_expert.shape[0], device=x.device)
+            self.ctx["row_expert"] = torch.repeat_interleave(local, tokens_per_expert, output_size=x.shape[0])
+        try:
+            return self.template(x)
+        finally:
+            self.ctx["offs"] = self.ctx["row_expert"] = None
+
 
 # ---------------------------------------------------------------- recognition
 
@@ -112,15 +173,118 @@ def _stacked_dim(module: nn.Module) -> int | None:
     return dims.pop() if n3 >= 2 and len(dims) == 1 else None
 
 
+def _three_required_arguments(module: nn.Module) -> bool:
+    """``forward(hidden, indices, weights)``: exactly three positional arguments without defaults
+    (stricter than for stacked experts: a decoder layer holding a list of modules takes one)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    return len(required) == 3 and not any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def _entries(container: nn.Module) -> list[tuple[str, nn.Module]]:
+    return list(container._modules.items()) if isinstance(container, (nn.ModuleList, nn.ModuleDict)) else []
+
+
+def _expert_list(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, container)`` when ``module`` keeps its experts as a list of modules: it is itself an
+    ``nn.ModuleList`` / ``nn.ModuleDict`` of at least two modules with parameters, or it has one
+    such child (``""`` names the module itself). Structure is checked later (:func:`_list_layout`)."""
+    if not _three_required_arguments(module):
+        return None
+    candidates = [("", module)] if _entries(module) else []
+    candidates += [(n, c) for n, c in module.named_children() if _entries(c)]
+    candidates = [(n, c) for n, c in candidates
+                  if len(_entries(c)) >= 2 and all(any(True for _ in m.parameters()) for _, m in _entries(c))]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _num_experts(mod: nn.Module) -> int | None:
+    e = _stacked_dim(mod)
+    if e is None and (found := _expert_list(mod)) is not None:
+        e = len(_entries(found[1]))
+    return e
+
+
 def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The experts modules of ``model`` (by call signature and parameter shapes), outermost first."""
+    """The experts modules of ``model`` (by call signature and parameter shapes), outermost first:
+    stacked experts (3-D parameters of dim 0 = E) or experts kept as a list of modules."""
     found: list[tuple[str, nn.Module]] = []
     for name, mod in model.named_modules():
         if any(name.startswith(f"{outer}.") for outer, _ in found):
             continue
-        if hasattr(mod, _SHARD_ATTR) or (_stacked_dim(mod) is not None and _called_with_three_tensors(mod)):
+        if hasattr(mod, _SHARD_ATTR) or (_stacked_dim(mod) is not None and _called_with_three_tensors(mod)) \
+                or _expert_list(mod) is not None:
             found.append((name, mod))
     return found
+
+
+def _mlp_lists(model: nn.Module) -> list[tuple[str, int, str]]:
+    """Lists of at least two modules of one structure whose parameters all sit in nn.Linear layers."""
+    out = []
+    for name, mod in model.named_modules():
+        entries = [m for _, m in _entries(mod)]
+        if len(entries) < 2 or not any(True for _ in entries[0].parameters()):
+            continue
+        if all(_signature(m) == _signature(entries[0]) for m in entries[1:]) and all(
+                type(sub) is nn.Linear for sub in entries[0].modules() if any(True for _ in sub.parameters(recurse=False))):
+            out.append((name, len(entries), type(entries[0]).__name__))
+    return out
+
+
+def _signature(m: nn.Module) -> list[tuple]:
+    return [(n, type(c).__name__) for n, c in m.named_modules()] + \
+        [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters()]
+
+
+def _list_layout(name: str, mod: nn.Module) -> _ListLayout:
+    """Check that the list's entries share one structure of plain ``nn.Linear`` layers; build the template."""
+    cname, container = _expert_list(mod)
+    entries = _entries(container)
+    where = f"{name}{'.' + cname if cname else ''}"
+    first_key, first = entries[0]
+    want = _signature(first)
+    for key, entry in entries[1:]:
+        got = _signature(entry)
+        if got != want:
+            diff = next(((a, b) for a, b in zip(want, got) if a != b), None)
+            if diff is None:  # one is the other plus more
+                diff = (want[len(got)], "nothing") if len(want) > len(got) else ("nothing", got[len(want)])
+            raise ExpertParallelError(
+                f"fxoverlap.expert_parallel: {where} ({type(mod).__name__}) keeps its experts as a list, but entry "
+                f"{key} ({type(entry).__name__}) differs in structure from entry {first_key} "
+                f"({type(first).__name__}): {diff[1]} where entry {first_key} has {diff[0]} (submodule name and "
+                f"class, or parameter name, shape, dtype, requires_grad); expert parallelism runs every local expert "
+                f"with one structure, so the entries must be modules of one class with equal parameter shapes"
+            )
+    linear_paths = []
+    for sub_name, sub in first.named_modules():
+        own = list(sub.parameters(recurse=False))
+        if not own:
+            continue
+        if type(sub) is not nn.Linear:
+            raise ExpertParallelError(
+                f"fxoverlap.expert_parallel: {where} ({type(mod).__name__}) keeps its experts as a list of "
+                f"{type(first).__name__}, whose submodule {sub_name or '(itself)'} ({type(sub).__name__}) holds "
+                f"parameters; list experts run as grouped GEMMs of their nn.Linear layers, so only nn.Linear "
+                f"submodules may hold an expert's parameters"
+            )
+        linear_paths.append(sub_name)
+    if any(True for _ in first.buffers()):
+        raise ExpertParallelError(
+            f"fxoverlap.expert_parallel: {where} ({type(mod).__name__}) keeps its experts as a list of "
+            f"{type(first).__name__}, which hold buffers ({[n for n, _ in first.named_buffers()]}); list experts "
+            f"may hold only nn.Linear parameters"
+        )
+    ctx: dict = {"experts": [], "offs": None, "row_expert": None}
+    template = copy.deepcopy(first)
+    for path in linear_paths:
+        parent, _, leaf = path.rpartition(".")
+        setattr(template.get_submodule(parent), leaf, _GroupedLinear(path, ctx))
+    bias = any(first.get_submodule(p).bias is not None for p in linear_paths)
+    return _ListLayout(cname, template, ctx, bias)
 
 
 def _layout(name: str, mod: nn.Module) -> _Layout:
@@ -191,8 +355,15 @@ def _check_call(mod: nn.Module, hidden: torch.Tensor, indices: torch.Tensor, wei
 def _expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, indices: torch.Tensor,
                              weights: torch.Tensor) -> torch.Tensor:
     """``experts(hidden[T, D], indices[T, k], weights[T, k])`` with this rank's shard of the experts."""
-    _check_call(self, hidden, indices, weights)
     shard: ExpertShard = getattr(self, _SHARD_ATTR)
+    if (isinstance(indices, torch.Tensor) and isinstance(weights, torch.Tensor) and indices.dim() == 3
+            and not indices.is_floating_point() and indices.shape[-1] == shard.num_experts
+            and weights.dim() == 2 and tuple(weights.shape) == tuple(indices.shape[:2])):
+        # One-hot expert masks [T, k, E] (Switch Transformers): a row with no expert (dropped
+        # over capacity) gets weight 0, as the masked loop gives it nothing.
+        weights = weights * indices.sum(-1).to(weights.dtype)
+        indices = indices.argmax(-1)
+    _check_call(self, hidden, indices, weights)
     n_tok, k = indices.shape
     flat = indices.reshape(-1)
     # (token, k) assignments sorted by global expert: the layout ops.dispatch expects.
@@ -200,7 +371,7 @@ def _expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, indices: tor
     counts = F.one_hot(flat, shard.num_experts).sum(0)
     routed = hidden.index_select(0, order // k)
     received, recv_counts = ops.dispatch(routed, counts, shard.group)
-    expert_out = _local_experts(self, self._fxoverlap_layout, received, recv_counts.sum(0))
+    expert_out = self._fxoverlap_layout.run(self, received, recv_counts.sum(0))
     back = ops.combine(expert_out, recv_counts, counts, shard.group, n_tok * k)
     unsorted = torch.zeros_like(back).index_copy(0, order, back)
     # Weight in the routing weights' dtype (fp32 for some routers) and sum over k, as
@@ -228,9 +399,16 @@ def expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None = None)
     """
     found = find_experts(model)
     if not found:
+        lists = _mlp_lists(model)
+        lists = [entry for entry in lists if entry[1] >= 4]  # fewer are rarely experts (LongCat's 2 dense mlps)
+        hint = (f" {lists[0][0]} is a list of {lists[0][1]} {lists[0][2]} modules, but no module is called with them "
+                f"as experts(hidden, indices, weights): if they are the experts, their MoE block loops over them "
+                f"itself; expert_parallel replaces a module with that call, so move the block's loop over experts "
+                f"into one" if lists else "")
         raise ExpertParallelError(
-            f"fxoverlap.expert_parallel: no MoE experts module found in {type(model).__name__}; expected {_INTERFACE}. "
-            f"Dense models need no expert parallelism; MoE blocks that keep experts as a list of MLPs are not supported"
+            f"fxoverlap.expert_parallel: no MoE experts module found in {type(model).__name__}; expected {_INTERFACE}, "
+            f"or such a module (an nn.ModuleList / nn.ModuleDict itself, or with one as its child) that keeps its "
+            f"experts as a list of modules of one structure.{hint} Dense models need no expert parallelism"
         )
     ep, rank = _ep_size_and_rank(ep_group)
     plans = []
@@ -243,19 +421,26 @@ def expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None = None)
                     f"({done.ep} ranks); call expert_parallel once per model"
                 )
             continue
-        e = _stacked_dim(mod)
+        e = _num_experts(mod)
         if e % ep:
             raise ExpertParallelError(
                 f"fxoverlap.expert_parallel: {name} ({type(mod).__name__}) has {e} experts, which an expert-parallel "
                 f"group of {ep} ranks cannot split evenly; use a group size that divides {e}"
             )
-        plans.append((name, mod, e, _layout(name, mod)))
+        plans.append((name, mod, e, _layout(name, mod) if _stacked_dim(mod) is not None else _list_layout(name, mod)))
     for name, mod, e, layout in plans:
         n_local = e // ep
         lo = rank * n_local
+        if isinstance(layout, _ListLayout):
+            # Keep entries [lo, lo + n_local) under their global keys (names as in the full model).
+            container = mod.get_submodule(layout.container) if layout.container else mod
+            for i, key in enumerate(list(container._modules)):
+                if not lo <= i < lo + n_local:
+                    del container._modules[key]
+            layout.ctx["experts"] = list(container._modules.values())
         with torch.no_grad():
             for pname, p in list(mod.named_parameters(recurse=False)):
-                if p.dim() >= 1 and p.shape[0] == e:
+                if isinstance(layout, _Layout) and p.dim() >= 1 and p.shape[0] == e:
                     shard = nn.Parameter(p[lo: lo + n_local].clone(), requires_grad=p.requires_grad)
                     setattr(mod, pname, shard)
         setattr(mod, _SHARD_ATTR, ExpertShard(ep_group, e, lo, n_local))

@@ -257,3 +257,84 @@ def test_explain_other_errors_is_none():
     model = hf_cases.build("qwen3_moe")
     assert explain_capture_error(model, ValueError("something else")) is None
     assert explain_capture_error(model, RuntimeError("Expected inputs of BF16 type")) is None  # not in an experts module
+
+
+# ---------------------------------------------------------------- experts kept as a list of MLPs
+
+
+def _list_two_ranks() -> list[dict]:
+    import list_experts
+
+    from fxoverlap.testing import run_distributed_once
+
+    return run_distributed_once(list_experts.on_two_ranks)
+
+
+def test_list_experts_match_unsharded_model():
+    """Experts as an nn.ModuleList of MLPs (our own model, eager and through optimize) and as
+    Switch Transformers' nn.ModuleDict of MLPs (eager: an encoder-decoder, see docs/models.md),
+    2 gloo ranks, fp32, against the unsharded model."""
+    for rank, r in enumerate(_list_two_ranks()):
+        for key in ("own/eager", "own/optimize", "switch/eager"):
+            assert r[key]["loss_rel"] <= 1e-6, (rank, key, r[key])
+            assert r[key]["grad_rel"] <= 1e-6, (rank, key, r[key])
+        stages = set(r["own/optimize"]["stages"])
+        assert {"fwd_l0_dispatch", "fwd_l0_experts", "fwd_l0_combine", "bwd_l1_dispatch"} <= stages, sorted(stages)
+        assert r["switch_experts"] == ["encoder.block.1.layer.1.mlp.experts", "decoder.block.1.layer.2.mlp.experts"]
+        # Rank r keeps entries [2r, 2r + 2) of 4, under their global names.
+        kept = {n.split(".experts.")[1].split(".")[0] for n in r["own_names"] if ".experts." in n}
+        assert kept == {str(2 * rank), str(2 * rank + 1)}, kept
+        assert set(r["own_names"]) < set(r["full_names"])
+        assert {n.split(".experts.")[1].split(".")[0] for n in r["switch_names"]} == {
+            f"expert_{2 * rank}", f"expert_{2 * rank + 1}"}
+
+
+class _WideMLP(torch.nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(dim, 2 * hidden, bias=False)
+        self.up_proj = torch.nn.Linear(dim, hidden, bias=False)
+        self.down_proj = torch.nn.Linear(hidden, dim, bias=True)
+
+
+def test_list_experts_of_different_structure_error():
+    import list_experts
+
+    model = list_experts.build_own()
+    model.layers[1].mlp.experts[3] = _WideMLP(32, 16)
+    with pytest.raises(ExpertParallelError) as err:
+        fxoverlap.expert_parallel(model, None)
+    msg = str(err.value)
+    for part in ("layers.1.mlp.experts (ListExperts) keeps its experts as a list", "entry 3 (_WideMLP)",
+                 "entry 0 (MLP)", "must be modules of one class with equal parameter shapes"):
+        assert part in msg, (part, msg)
+
+
+def test_list_experts_with_other_parameterised_layers_error():
+    import list_experts
+
+    class NormMLP(list_experts.MLP):
+        def __init__(self, dim, hidden):
+            super().__init__(dim, hidden)
+            self.norm = torch.nn.LayerNorm(dim)
+
+    model = list_experts.build_own(mlp=NormMLP)
+    with pytest.raises(ExpertParallelError) as err:
+        fxoverlap.expert_parallel(model, None)
+    msg = str(err.value)
+    assert "layers.0.mlp.experts (ListExperts) keeps its experts as a list of NormMLP" in msg, msg
+    assert "submodule norm (LayerNorm) holds parameters" in msg and "only nn.Linear" in msg, msg
+
+
+def test_block_that_loops_over_a_plain_list_error():
+    """A block that calls experts[i] itself (no experts module to replace) is told what to change."""
+    import list_experts
+
+    model = list_experts.build_own()
+    for layer in model.layers:
+        layer.mlp.experts = torch.nn.ModuleList(list(layer.mlp.experts))
+    with pytest.raises(ExpertParallelError) as err:
+        fxoverlap.expert_parallel(model, None)
+    msg = str(err.value)
+    assert "layers.0.mlp.experts is a list of 4 MLP modules" in msg, msg
+    assert "move the block's loop over experts into one" in msg and "if they are the experts" in msg, msg

@@ -126,6 +126,26 @@ def rank_view(own: dict, total: dict, shapes: dict, rank: int) -> dict:
     return view
 
 
+def rank_view_of(model: torch.nn.Module, own: dict, total: dict, rank: int) -> dict:
+    """:func:`rank_view` for a model after ``expert_parallel``: a parameter under an experts
+    module gets the all-ranks gradient (this rank's slice of it when stacked experts were
+    sliced), every other one the own-data gradient. Also right for experts kept as a list of
+    modules, whose kept entries keep their full shapes and their global names."""
+    from fxoverlap.expert_parallel import find_experts
+
+    prefixes = tuple(f"{name}." for name, _ in find_experts(model))
+    view = {}
+    for name, p in model.named_parameters():
+        if name not in total:  # no gradient in the reference (requires_grad=False: Ernie's moe_statics)
+            continue
+        if not name.startswith(prefixes):
+            view[name] = own[name]
+            continue
+        n = p.shape[0] if p.dim() else 0
+        view[name] = total[name][rank * n: (rank + 1) * n] if p.dim() and n != total[name].shape[0] else total[name]
+    return view
+
+
 def rel(got: dict, want: dict) -> dict:
     """Per parameter: max|got - want| / max|want| (inf for a missing gradient)."""
     out = {}
