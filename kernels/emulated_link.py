@@ -260,7 +260,8 @@ except ImportError:  # CPU-only installs: hold() sleeps or calls the stand-in
 
 if triton is not None:
 
-    @triton.jit
+    # ns is not specialised (no recompile per value; only an int32/int64 variant).
+    @triton.jit(do_not_specialize=["ns"])
     def _spin_kernel(ns):
         # Each block spins on the global timer (ns) from its own start; 512 threads per
         # block keep the SM slots busy as a comm kernel's resident blocks do.
@@ -274,6 +275,6 @@ def spin(seconds: float, device: torch.device) -> None:
     """Enqueue the spinning kernel (16 x 512 threads, ``seconds``) on ``device``'s current stream."""
     if triton is None:
         raise LinkError("the emulated link's CUDA hold needs Triton (a spinning kernel on %globaltimer)")
-    ns = max(int(seconds * 1e9), 0)
+    ns = max(int(seconds * 1e9), 1)
     with torch.cuda.device(device):
         _spin_kernel[(HOLD_BLOCKS,)](ns, num_warps=HOLD_WARPS)
