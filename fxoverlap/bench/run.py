@@ -30,6 +30,7 @@ from fxoverlap.bench.metrics import (
 from fxoverlap.bench.plot import plot_timeline
 from fxoverlap.bench.probe import StageTimer, TimelineProbe
 from fxoverlap.bench.report import summary
+from fxoverlap.config import ConfigError
 from fxoverlap.kernels import emulated_link
 from fxoverlap.models.moe import MoETransformer
 from fxoverlap.engine import PlanView
@@ -51,7 +52,7 @@ class Bench:
         self.link: emulated_link.Link | None = None
         if args.emulate_ep:
             if self.world != 1:
-                raise ValueError(f"--emulate-ep runs one rank of EP-{args.emulate_ep} in one process; "
+                raise ConfigError(f"--emulate-ep runs one rank of EP-{args.emulate_ep} in one process; "
                                  f"got {self.world} processes")
             if args.emulated_link is not None:
                 self.link = args.emulated_link.replace(experts=self.cfg.n_experts * args.emulate_ep)
