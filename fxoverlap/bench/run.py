@@ -155,6 +155,7 @@ class Bench:
             "emulated": True,
             "T_step_ms": t_step, "T_compute_ms": t_comp, "T_comm_ms": t_comm,
             "hidden_share": hidden_share(t_step, t_comp, t_comm),
+            "first_step_s": compute.get("first_step_s"),  # the mode's first step (compiles), without the link
             "compute": {k: compute[k] for k in ("step_ms", "step_ms_per_rank", "peak_mem_gib", "first_step_s",
                                                 "iters_ms_rank0") if k in compute},
         })
