@@ -15,6 +15,18 @@ the same weights and microbatches, the modes ``--modes`` names (default all):
 * **backend**: the same loop through ``torch.compile(model, backend="fxoverlap")``
 * **fxoverlap**: ``fxoverlap.optimize(model, group).forward_backward(microbatches)``
 
+Forward-only modes (``--modes fwd_eager,fwd_compile,fwd_backend,fwd_fxoverlap``, under
+``torch.no_grad()``; ``fwd_fxoverlap`` is ``engine(*mb)`` per microbatch) are not in the default.
+
+**Emulated EP** (``--emulate-ep N --link {nvlink,p2p_off,ib400,none}`` or ``--link-gbps X
+--link-latency-us Y``, ``--skew S``; one process, no torchrun needed): the model is one
+EP-N rank's (E/N experts, same top-k, or routing over E folded onto them,
+``MoEConfig.expert_fold``) and every fxoverlap dispatch/combine holds its stream as the
+link would (:mod:`fxoverlap.kernels.emulated_link`). Each mode is then timed without the
+link (``T_compute_ms``) and with it (``T_step_ms``, and ``T_comm_ms``: the holds asked for
+per step); ``hidden_share`` = (T_compute + T_comm - T_step) / min(T_compute, T_comm). Every
+such figure is marked emulated in the JSON and the printed table.
+
 Each mode: warm-up, then the median of ``--iters`` steps timed with CUDA events
 (wall clock on CPU); the step time is the slowest rank's median. Gradients are
 zeroed (set to None) before every step; peak memory
@@ -66,7 +78,17 @@ The package, one concern per module:
 Nothing in the library imports this package.
 """
 
-from fxoverlap.bench.cli import MODES, model_config, parse_args, parse_overlap_config, routing_fields
+from fxoverlap.bench.cli import (
+    ALL_MODES,
+    FORWARD_MODES,
+    MODES,
+    emulated_config,
+    model_config,
+    parse_args,
+    parse_link,
+    parse_overlap_config,
+    routing_fields,
+)
 from fxoverlap.bench.metrics import (
     ProgramCall,
     combine_rank_times,
@@ -78,6 +100,6 @@ from fxoverlap.bench.metrics import (
 from fxoverlap.bench.run import Bench, main
 
 __all__ = [
-    "MODES", "Bench", "ProgramCall", "combine_rank_times", "main", "model_config", "overlap_efficiency",
+    "ALL_MODES", "FORWARD_MODES", "MODES", "Bench", "emulated_config", "parse_link", "ProgramCall", "combine_rank_times", "main", "model_config", "overlap_efficiency",
     "parse_args", "parse_overlap_config", "program_calls", "routing_fields", "serial_and_bound", "timeline_stats",
 ]

@@ -12,9 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from fxoverlap.config import ConfigError, OverlapConfig
+from fxoverlap.kernels.emulated_link import PRESETS, Link, preset
 from fxoverlap.models.moe import MoEConfig
 
 MODES = ("eager", "compile", "backend", "fxoverlap")
+# Forward only, under torch.no_grad(): the model, torch.compile(model), the backend (which
+# runs its plain graph without grad) and the engine's forward (``engine(*mb)``).
+FORWARD_MODES = ("fwd_eager", "fwd_compile", "fwd_backend", "fwd_fxoverlap")
+ALL_MODES = MODES + FORWARD_MODES
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -38,11 +43,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     shape.add_argument("--routing", choices=("dropless", "capacity", "dedup"),
                        help="dedup: dropless, each token sent once per destination rank (MoEConfig.token_dedup)")
     shape.add_argument("--capacity-factor", type=float)
+    emu = p.add_argument_group(
+        "emulated interconnect (one rank of EP-N on one device; fxoverlap/kernels/emulated_link.py)")
+    emu.add_argument("--emulate-ep", type=int, metavar="N",
+                     help="run one EP-N rank's work: E/N experts with the same top-k (top-k <= E/N), else "
+                          "routing over E folded onto E/N local experts (MoEConfig.expert_fold); one process")
+    emu.add_argument("--link", choices=(*PRESETS, "none"),
+                     help="the emulated link every dispatch/combine holds its stream for (default with "
+                          "--emulate-ep: nvlink, unless --link-gbps): nvlink 294 GB/s, p2p_off 23.5 GB/s, "
+                          "ib400 45 GB/s; none: the EP-N rank's compute only")
+    emu.add_argument("--link-gbps", type=float, help="an explicit link bandwidth in GB/s (instead of --link)")
+    emu.add_argument("--link-latency-us", type=float, help="latency per all-to-all in us (default 20)")
+    emu.add_argument("--skew", type=float, default=1.0,
+                     help="routing skew: the busiest link carries SKEW x the balanced bytes and sets the time")
     run = p.add_argument_group("run")
     run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     run.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                      help="auto: bf16 on GPU, fp32 on CPU")
-    run.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    run.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(ALL_MODES))
     run.add_argument("--warmup", type=int, help="warm-up steps per mode (default 3; 1 with --tiny)")
     run.add_argument("--iters", type=int, help="timed steps per mode (default 8; 3 with --tiny)")
     run.add_argument("--no-stage-timing", action="store_true",
@@ -68,8 +86,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     out.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if bad := [m for m in modes if m not in MODES]:
-        p.error(f"--modes: unknown mode(s) {bad}; choose from {list(MODES)}")
+    if bad := [m for m in modes if m not in ALL_MODES]:
+        p.error(f"--modes: unknown mode(s) {bad}; choose from {list(ALL_MODES)}")
     args.modes = modes
     defaults = dict(seq=32, microbatches=3, micro_batch_size=2, warmup=1, iters=3) if args.tiny else dict(
         seq=4096, microbatches=8, micro_batch_size=1, warmup=3, iters=8)
@@ -80,9 +98,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("need --iters >= 1, --warmup >= 0, --stage-reps >= 1")
     try:
         args.overlap = parse_overlap_config(args.overlap_config)
+        args.emulated_link = parse_link(args)
     except ValueError as e:
         p.error(str(e))
     return args
+
+
+def parse_link(args: argparse.Namespace) -> Link | None:
+    """The emulated link of the flags (None: no link), for ``--emulate-ep`` N."""
+    explicit = args.link_gbps is not None or args.link_latency_us is not None
+    if args.emulate_ep is None:
+        if args.link not in (None, "none") or explicit or args.skew != 1.0:
+            raise ConfigError("--link, --link-gbps, --link-latency-us and --skew need --emulate-ep N")
+        return None
+    if args.emulate_ep < 1:
+        raise ConfigError(f"--emulate-ep must be >= 1, got {args.emulate_ep}")
+    if args.link is not None and args.link_gbps is not None:
+        raise ConfigError("give either --link or --link-gbps, not both")
+    if args.link == "none":
+        return None
+    over = {"ep": args.emulate_ep, "skew": args.skew}
+    if args.link_latency_us is not None:
+        over["latency_us"] = args.link_latency_us
+    if args.link_gbps is not None:
+        return Link(args.link_gbps, name=f"{args.link_gbps:g}GB/s", **over)
+    return preset(args.link or "nvlink", **over)
+
+
+def emulated_config(cfg: MoEConfig, ep: int) -> MoEConfig:
+    """The model one rank of EP-``ep`` runs: E/N experts with the same top-k where top-k <= E/N,
+    else routing over E folded onto the E/N local experts (``expert_fold``)."""
+    if ep == 1:
+        return cfg
+    if cfg.n_experts % ep:
+        raise ConfigError(f"--emulate-ep {ep}: {cfg.n_experts} experts cannot be split over {ep} ranks")
+    local = cfg.n_experts // ep
+    fold = 1 if cfg.top_k <= local else ep
+    return dataclasses.replace(cfg, n_experts=local, expert_fold=fold)
 
 
 def parse_overlap_config(text: str) -> OverlapConfig:
@@ -122,4 +174,6 @@ def model_config(args: argparse.Namespace) -> MoEConfig:
     cfg = MoEConfig.tiny(**over) if args.tiny else MoEConfig.benchmark(**over)
     if cfg.max_seq_len < args.seq:
         cfg = dataclasses.replace(cfg, max_seq_len=args.seq)
+    if getattr(args, "emulate_ep", None):
+        cfg = emulated_config(cfg, args.emulate_ep)
     return cfg

@@ -20,6 +20,8 @@ def summary(r: dict[str, Any]) -> str:
         lines.append(f"{mode:<10} {_fmt(m['step_ms']):>8} {_fmt(m['tokens_per_s'], '.0f'):>10} "
                      f"{_fmt(m['peak_mem_gib'], '.2f'):>10} {_fmt(sp.get('eager', {}).get(mode), '.3f'):>9} "
                      f"{_fmt(sp.get('compile', {}).get(mode), '.3f'):>11} {_fmt(m.get('first_step_s'), '.1f'):>13}")
+    if "emulation" in r:
+        lines += emulated_lines(r)
     if "T_serial_ms" in r:
         st = r["stage_timing"]
         lines.append(
@@ -41,3 +43,25 @@ def summary(r: dict[str, Any]) -> str:
     lines.append(f"written: {', '.join(r.get('files', {}).values())}")
     return "\n".join(lines)
 
+
+
+def emulated_lines(r: dict[str, Any]) -> list[str]:
+    """The emulated-link rows: per mode T_step, T_compute (no link), T_comm, hidden share, vs compile, peak."""
+    e = r["emulation"]
+    link = e.get("link")
+    if link is None:
+        return [f"emulated EP-{e['ep']} rank ({e['local_experts']} local experts, fold {e['expert_fold']}): "
+                f"no link (compute only)"]
+    head = (f"emulated EP-{e['ep']} rank over an emulated {link['name']} link ({link['gbps']:g} GB/s, "
+            f"{link['latency_us']:g} us, skew {link['skew']:g}); {e['local_experts']} local experts, "
+            f"fold {e['expert_fold']}")
+    lines = [head, "mode (emulated)  T_step ms  T_compute ms  T_comm ms  hidden   vs compile   peak GiB"]
+    sp = r.get("speedups", {})
+    for mode, m in r["modes"].items():
+        if not m.get("emulated"):
+            continue
+        base = "fwd_compile" if mode.startswith("fwd_") else "compile"
+        lines.append(f"{mode:<16} {_fmt(m['T_step_ms']):>9} {_fmt(m['T_compute_ms']):>13} {_fmt(m['T_comm_ms']):>10} "
+                     f"{_fmt(m['hidden_share'], '.2f'):>7} {_fmt(sp.get(base, {}).get(mode), '.3f'):>12} "
+                     f"{_fmt(m['peak_mem_gib'], '.2f'):>10}")
+    return lines

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import fxoverlap
-from fxoverlap.bench.cli import model_config, parse_args
+from fxoverlap.bench.cli import FORWARD_MODES, model_config, parse_args
 from fxoverlap.bench.metrics import (
     combine_rank_times,
     overlap_efficiency,
@@ -30,6 +30,8 @@ from fxoverlap.bench.metrics import (
 from fxoverlap.bench.plot import plot_timeline
 from fxoverlap.bench.probe import StageTimer, TimelineProbe
 from fxoverlap.bench.report import summary
+from fxoverlap.config import ConfigError
+from fxoverlap.kernels import emulated_link
 from fxoverlap.models.moe import MoETransformer
 from fxoverlap.engine import PlanView
 from fxoverlap.runtime import StageHook, static_values
@@ -46,6 +48,14 @@ class Bench:
             "auto": torch.bfloat16 if self.cuda else torch.float32,
         }[args.dtype]
         self.cfg = model_config(args)
+        self.ep = args.emulate_ep or self.world  # the EP size whose rank this process runs
+        self.link: emulated_link.Link | None = None
+        if args.emulate_ep:
+            if self.world != 1:
+                raise ConfigError(f"--emulate-ep runs one rank of EP-{args.emulate_ep} in one process; "
+                                 f"got {self.world} processes")
+            if args.emulated_link is not None:
+                self.link = args.emulated_link.replace(experts=self.cfg.n_experts * args.emulate_ep)
         torch.manual_seed(args.seed + self.rank)
         with torch.device(device):
             self.model = MoETransformer(self.cfg, group)
@@ -98,20 +108,64 @@ class Bench:
             self._compiled = torch.compile(self.model)
         return self._loop(self._compiled)
 
-    def step_backend(self) -> list[torch.Tensor]:
+    def _forward_loop(self, fn) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [fn(*mb).detach() for mb in self.mbs]
+
+    def step_fwd_eager(self) -> list[torch.Tensor]:
+        return self._forward_loop(self.model)
+
+    def step_fwd_compile(self) -> list[torch.Tensor]:
+        if self._compiled is None:
+            self._compiled = torch.compile(self.model)
+        return self._forward_loop(self._compiled)
+
+    def step_fwd_backend(self) -> list[torch.Tensor]:
+        if self._backend is None:
+            self.step_backend(build_only=True)
+        return self._forward_loop(self._backend)
+
+    def step_fwd_fxoverlap(self) -> list[torch.Tensor]:
+        return self._forward_loop(self.engine)
+
+    def step_backend(self, build_only: bool = False) -> list[torch.Tensor]:
         if self._backend is None:
             cfg = self.args.overlap
             options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                        if getattr(cfg, f.name) != f.default and f.name != "compile_options"}
             options.update(cfg.compile_options or {})
             self._backend = torch.compile(self.model, backend="fxoverlap", options=options or None)
+        if build_only:
+            return []
         return self._loop(self._backend)
 
     # -- one mode
     def time_mode(self, mode: str, step: Callable[[], list[torch.Tensor]]) -> dict[str, Any]:
+        """The mode's step time; with an emulated link, twice: without the link (T_compute),
+        then with it (T_step, and T_comm: the holds the link asked for per step)."""
+        if self.link is None:
+            with emulated_link.using(None):
+                return self._time_mode(mode, step, self.args.warmup)
+        with emulated_link.using(None):
+            compute = self._time_mode(mode + " (no link)", step, self.args.warmup)
+        with emulated_link.using(self.link):
+            res = self._time_mode(mode + f" ({self.link.name})", step, min(self.args.warmup, 1), link_stats=True)
+        t_step, t_comp, t_comm = res["step_ms"], compute["step_ms"], res["link"]["ms"]
+        res.update({
+            "emulated": True,
+            "T_step_ms": t_step, "T_compute_ms": t_comp, "T_comm_ms": t_comm,
+            "hidden_share": hidden_share(t_step, t_comp, t_comm),
+            "first_step_s": compute.get("first_step_s"),  # the mode's first step (compiles), without the link
+            "compute": {k: compute[k] for k in ("step_ms", "step_ms_per_rank", "peak_mem_gib", "first_step_s",
+                                                "iters_ms_rank0") if k in compute},
+        })
+        return res
+
+    def _time_mode(self, mode: str, step: Callable[[], list[torch.Tensor]], warmup: int,
+                   link_stats: bool = False) -> dict[str, Any]:
         a = self.args
         res: dict[str, Any] = {}
-        for i in range(a.warmup):
+        for i in range(warmup):
             self.zero_grads()
             t0 = time.perf_counter()
             step()
@@ -119,13 +173,14 @@ class Bench:
             dt = time.perf_counter() - t0
             if i == 0:
                 res["first_step_s"] = round(dt, 3)
-            self.log(f"{mode} warm-up {i + 1}/{a.warmup} {dt * 1e3:.1f} ms (wall)")
+            self.log(f"{mode} warm-up {i + 1}/{warmup} {dt * 1e3:.1f} ms (wall)")
         self.zero_grads()
         self.sync()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         times, wall = [], []
         losses: list[torch.Tensor] = []
+        emulated_link.stats.reset()
         for i in range(a.iters):
             self.zero_grads()
             dist.barrier(group=self.group)
@@ -145,6 +200,11 @@ class Bench:
             times.append(ms)
             self.log(f"{mode} iter {i + 1}/{a.iters} {ms:.1f} ms")
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
+        if link_stats:  # what the link was asked to hold, per step
+            st = emulated_link.stats.as_dict()
+            res["link"] = {"emulated": True, "calls": st["calls"] / a.iters, "bytes": st["bytes"] / a.iters,
+                           "ms": st["ms"] / a.iters,
+                           "by_op": {k: {f: v[f] / a.iters for f in v} for k, v in st["by_op"].items()}}
         mine = {"median_ms": statistics.median(times), "wall_median_ms": statistics.median(wall),
                 "peak_gib": peak, "losses": [float(x) for x in losses], "iters_ms": times}
         ranks = self.gather(mine)
@@ -249,6 +309,17 @@ class Bench:
             "nccl_high_priority": a.nccl_high_priority, "nccl_max_ctas": a.nccl_max_ctas,
             "params_per_rank": sum(p.numel() for p in self.model.parameters()),
         }
+        if a.emulate_ep:
+            r["run"]["ep"] = a.emulate_ep
+            r["emulation"] = {
+                "emulated": True, "ep": a.emulate_ep,
+                "link": None if self.link is None else self.link.describe(),
+                "local_experts": self.cfg.n_experts, "expert_fold": self.cfg.expert_fold, "top_k": self.cfg.top_k,
+                "note": "one rank of EP-N on one device; every dispatch/combine holds its stream for latency + "
+                        "bytes x (N-1)/N x skew / bandwidth (fxoverlap/kernels/emulated_link.py)",
+            }
+            # the stage timing and the probed steps run with the link
+            emulated_link.set_link(self.link)
         r["modes"] = {}
         self.log(f"{self.world} ranks on {self.device.type}, {r['run']['dtype']}, "
                  f"{self.tokens_per_step} tokens/step; modes {','.join(a.modes)}")
@@ -267,12 +338,13 @@ class Bench:
                     "eager_rerun_grads_bitwise": rerun["grads_bitwise"],
                 }
             self.write()
-        for mode, step in (("compile", self.step_compile), ("backend", self.step_backend)):
+        for mode, step in (("compile", self.step_compile), ("backend", self.step_backend),
+                           *((m, getattr(self, "step_" + m)) for m in FORWARD_MODES)):
             if mode in a.modes:
                 r["modes"][mode] = self.time_mode(mode, step)
-                if ref is not None:
+                if ref is not None and mode not in FORWARD_MODES:
                     r.setdefault("numerics", {})[mode] = self.grad_check(ref)
-                if mode == "backend":
+                if mode in ("backend", "fwd_backend"):
                     fxoverlap.backend.reset()  # its graph pools would count in the next mode's peak
                 self.write()
         if "fxoverlap" in a.modes:
@@ -317,7 +389,7 @@ class Bench:
         """Speed-ups of every mode against eager and against torch.compile(model)."""
         modes = r["modes"]
         r["speedups"] = {base: {m: modes[base]["step_ms"] / v["step_ms"] for m, v in modes.items()}
-                         for base in ("eager", "compile") if base in modes}
+                         for base in ("eager", "compile", "fwd_compile") if base in modes}
         if "eager" in modes and modes["eager"].get("peak_mem_gib"):
             r["peak_mem_vs_eager"] = {m: v["peak_mem_gib"] / modes["eager"]["peak_mem_gib"] for m, v in modes.items()}
         if "fxoverlap" in modes:  # the fxoverlap figures under their earlier names
@@ -349,6 +421,13 @@ class Bench:
         with open(tmp, "w") as f:
             json.dump(self.result, f, indent=1, default=_json_default)
         os.replace(tmp, path)
+
+
+def hidden_share(t_step: float, t_compute: float, t_comm: float) -> float | None:
+    """(T_compute + T_comm - T_step) / min(T_compute, T_comm): the share of the smaller of
+    compute and comm that ran under the other (1: all of it; 0: none; None: nothing to hide)."""
+    small = min(t_compute, t_comm)
+    return None if small <= 0 else (t_compute + t_comm - t_step) / small
 
 
 def _json_default(o):
@@ -416,10 +495,13 @@ def setup(args: argparse.Namespace) -> tuple[dist.ProcessGroup, torch.device, bo
     owns = not dist.is_initialized()
     if owns:
         timeout = datetime.timedelta(seconds=args.timeout)
+        # Not under torchrun (no RANK): one process, a group of one (e.g. --emulate-ep).
+        alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device, timeout=timeout, pg_options=nccl_options(args))
+            dist.init_process_group("nccl", device_id=device, timeout=timeout, pg_options=nccl_options(args),
+                                    **alone)
         else:
-            dist.init_process_group("gloo", timeout=timeout)
+            dist.init_process_group("gloo", timeout=timeout, **alone)
     return dist.group.WORLD, device, owns
 
 

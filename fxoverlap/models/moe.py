@@ -63,6 +63,11 @@ class MoEConfig:
     # A multi-token-prediction module of depth 1; its loss is added with this weight.
     mtp: bool = False
     mtp_loss_weight: float = 0.3
+    # Emulating one rank of EP-N on one device where top_k > E/N (fxoverlap.bench --emulate-ep):
+    # the router scores n_experts * expert_fold experts and folds each choice e onto local
+    # expert e mod n_experts, so a rank with n_experts experts still gets top_k rows per token.
+    # 1: off (the router scores n_experts experts).
+    expert_fold: int = 1
     # Full activation checkpointing: each decoder layer runs under
     # torch.utils.checkpoint.checkpoint(..., use_reentrant=False), so eager keeps only its
     # input and replays it in the backward (fxoverlap replays it too, never its all-to-alls).
@@ -86,8 +91,19 @@ class MoEConfig:
                 "MoEConfig.token_dedup needs routing='dropless' (capacity routing sends fixed-size buffers "
                 "per expert); set routing='dropless' or token_dedup=False"
             )
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ModelConfigError(f"top_k must be in [1, n_experts], got {self.top_k}")
+        if self.expert_fold < 1:
+            raise ModelConfigError(f"MoEConfig.expert_fold must be >= 1 (1: off), got {self.expert_fold}")
+        if not 1 <= self.top_k <= self.routed_experts:
+            raise ModelConfigError(f"top_k must be in [1, n_experts * expert_fold], got {self.top_k}")
+        if self.expert_fold > 1 and self.token_dedup:
+            raise ModelConfigError(
+                "MoEConfig.expert_fold folds several of a token's experts onto one local expert, which the "
+                "token-once dispatch (token_dedup) does not take; use token_dedup=False with expert_fold")
+
+    @property
+    def routed_experts(self) -> int:
+        """The experts the router scores: ``n_experts * expert_fold``."""
+        return self.n_experts * self.expert_fold
 
     @property
     def pattern(self) -> tuple[str, ...]:
@@ -170,10 +186,11 @@ class Router(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         self.kind, self.top_k = cfg.router, cfg.top_k
-        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.n_experts, self.fold = cfg.n_experts, cfg.expert_fold
+        self.gate = nn.Linear(cfg.dim, cfg.routed_experts, bias=False)
         if cfg.router == "sigmoid":
             # DeepSeek-V3's load-balancing bias: shifts selection, not the weights.
-            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+            self.register_buffer("expert_bias", torch.zeros(cfg.routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x).float()
@@ -184,6 +201,8 @@ class Router(nn.Module):
             idx = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, idx)
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.fold > 1:  # expert e of n_experts * fold lands on expert e mod n_experts
+            idx = idx % self.n_experts
         return weights.to(x.dtype), idx
 
 

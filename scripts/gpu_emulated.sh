@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The emulated-EP table on ONE GPU: one EP-N rank's work at the Megatron peer's shape, every
+# dispatch/combine holding its stream as the emulated link would (fxoverlap/kernels/emulated_link.py).
+#
+#     OUT=$OUT bash scripts/gpu_emulated.sh                 # the default table, ~8 min of one H200
+#     TIERS="1 2 3" BUDGET_S=1500 OUT=$OUT bash scripts/gpu_emulated.sh   # more of it
+#
+# One process per (configuration, mode), as gpu_one.sh runs one per routing: modes never share
+# a process (no compile caches, allocator pools or CUDA graphs of another mode). Each process
+# times its mode twice, without the link (T_compute) and with it (T_step, T_comm), under `timeout`.
+# Rows, in order (a later row is skipped once BUDGET_S would be passed; the log says which):
+#   check:  scripts/gpu_emulated_check.py (the hold kernel's duration alone and beside GEMMs)
+#   tier 1: dropless, 8 microbatches, EP 2/4/8 over NVLink and EP 16/32 over 400 Gb/s IB:
+#           compile and fxoverlap; at EP 8 also eager, backend and the forward-only modes
+#   tier 2: capacity, 8 microbatches, the same EPs: compile and fxoverlap
+#   tier 3: dropless and capacity, 4 microbatches, the same EPs: compile and fxoverlap
+# Then scripts/emulated_table.py writes $OUT/emulated_table.md. Logs and JSON go to $OUT.
+set -u
+set -o pipefail
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+OUT=${OUT:-bench_out/gpu_emulated}
+TIERS=${TIERS:-"1 2"}
+BUDGET_S=${BUDGET_S:-480}
+ITERS=${ITERS:-3}
+WARMUP=${WARMUP:-1}
+STEP_TIMEOUT=${STEP_TIMEOUT:-150}
+EST_S=${EST_S:-30}          # a process's expected time: a row starts only if it fits in BUDGET_S
+SKEW=${SKEW:-1.0}
+EXTRA=${EXTRA:-}           # more bench flags for every row, e.g. "--overlap-config dispatcher=padded"
+INSTALL=${INSTALL:-1}
+DRY=${DRY:-0}              # 1: print the commands only
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fxoverlap_inductor_cache}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_emulated.log"
+T0=$(date +%s)
+say() { echo "[gpu_emulated $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+# a copy of the tree without its git-ignored links (fxoverlap/kernels, fxoverlap/passes)
+[ -e fxoverlap/kernels ] || ln -s ../kernels fxoverlap/kernels
+[ -e fxoverlap/passes ] || ln -s ../passes fxoverlap/passes
+if [ "$INSTALL" = 1 ] && [ "$DRY" != 1 ]; then
+  $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || say "pip install failed (running from the tree)"
+fi
+say "torch $($PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -1)"
+say "step check"
+[ "$DRY" = 1 ] || timeout 120 $PY scripts/gpu_emulated_check.py --out "$OUT/emucheck.jsonl" >"$OUT/emucheck.log" 2>&1 || say "check failed (rc $?)"
+grep "^EMUCHECK" "$OUT/emucheck.log" | cut -c1-300 | tee -a "$LOG"
+
+one() {  # ep link routing microbatches mode
+  local ep=$1 link=$2 routing=$3 mbs=$4 mode=$5
+  local name="ep${ep}_${link}_${routing}_mb${mbs}_${mode}"
+  local used=$(( $(date +%s) - T0 ))
+  if [ $(( used + EST_S )) -gt "$BUDGET_S" ]; then
+    say "skip $name (budget: ${used}s used of ${BUDGET_S}s)"
+    return
+  fi
+  say "step $name"
+  if [ "$DRY" = 1 ]; then
+    echo "timeout $STEP_TIMEOUT torchrun ... --emulate-ep $ep --link $link --routing $routing --microbatches $mbs --modes $mode"
+    return
+  fi
+  timeout "$STEP_TIMEOUT" torchrun --standalone --nproc-per-node 1 -m fxoverlap.bench --out "$OUT" --name "$name" \
+    --emulate-ep "$ep" --link "$link" --skew "$SKEW" --routing "$routing" --microbatches "$mbs" --modes "$mode" \
+    --warmup "$WARMUP" --iters "$ITERS" --no-stage-timing --no-grad-check $EXTRA >"$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -A8 "^mode (emulated)" "$OUT/$name.log" | grep -v "^mode" | head -2 | tee -a "$LOG"
+  grep -E "Error|error:" "$OUT/$name.log" | tail -3 | cut -c1-300 | tee -a "$LOG"
+  [ $rc = 0 ] || say "step $name failed (rc $rc); see $name.log"
+}
+EPS="2:nvlink 4:nvlink 8:nvlink 16:ib400 32:ib400"
+for tier in $TIERS; do
+  case $tier in
+    1) for e in $EPS; do
+         for mode in compile fxoverlap; do one "${e%%:*}" "${e##*:}" dropless 8 $mode; done
+       done
+       for mode in eager backend fwd_compile fwd_fxoverlap; do one 8 nvlink dropless 8 $mode; done ;;
+    2) for e in $EPS; do
+         for mode in compile fxoverlap; do one "${e%%:*}" "${e##*:}" capacity 8 $mode; done
+       done ;;
+    3) for r in dropless capacity; do
+         for e in $EPS; do
+           for mode in compile fxoverlap; do one "${e%%:*}" "${e##*:}" $r 4 $mode; done
+         done
+       done ;;
+  esac
+done
+$PY scripts/emulated_table.py "$OUT" --out "$OUT/emulated_table.md" | tee -a "$LOG"
+say "done"
