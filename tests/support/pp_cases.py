@@ -1,0 +1,190 @@
+"""Pipeline parallelism (``fxoverlap.pipeline_schedule``) against the unpipelined model run eagerly.
+
+Every rank builds the full model from one seed (EP ranks hold their expert shard), runs it
+eagerly over all microbatches as pipelining scales it (``loss_fn(model(x_i), y_i)``, one
+backward per microbatch, grads divided by the microbatch count at the end), then builds the
+same model again, splits it into stage modules that hold references to the full model's
+submodules (decoder layers in a ``ModuleDict`` under their original names, as torchtitan's PP
+split leaves them), and runs the schedule. Each rank returns its losses and gradients against
+the reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxoverlap
+from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.models.mhc import contract_streams, expand_streams
+
+N_LAYERS = 4
+BATCH_PER_MB = 2
+SEQ = 8
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+class RefStage(nn.Module):
+    """Stage module of a MoETransformer: embed (first), its layers, norm + output (last)."""
+
+    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.first, self.last = first, last
+        if first:
+            self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        if last:
+            if model.cfg.mhc_rate is not None:
+                self.hc_contract = model.hc_contract
+            self.norm, self.output = model.norm, model.output
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            h = self.tok_embeddings(h)
+            if self.cfg.mhc_rate is not None:
+                h = expand_streams(h, self.cfg.mhc_rate)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.last:
+            if self.cfg.mhc_rate is not None:
+                h = contract_streams(h, self.hc_contract)
+            h = self.output(self.norm(h))
+        return h
+
+
+class NoListStage(nn.Module):
+    """A stage module whose MoE layers are plain attributes: no layer list to find."""
+
+    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.inner = RefStage(model, layer_ids, first, last)
+        self.first, self.last = first, last
+        for i in layer_ids:
+            setattr(self, f"block{i}", model.layers[i])
+        self.ids = layer_ids
+        del self.inner.layers
+        self.inner.layers = nn.ModuleDict()
+
+    def forward(self, h):
+        if self.first:
+            h = self.inner.tok_embeddings(h)
+        for i in self.ids:
+            h = getattr(self, f"block{i}")(h)
+        if self.last:
+            h = self.inner.output(self.inner.norm(h))
+        return h
+
+
+def _groups(rank: int, world: int, ep: int):
+    pp = world // ep
+    pp_rank, ep_rank = rank // ep, rank % ep
+    ep_group = pp_group = None
+    for r in range(pp):  # every rank creates every group, in the same order
+        g = dist.new_group(list(range(r * ep, (r + 1) * ep)))
+        if r == pp_rank:
+            ep_group = g
+    for e in range(ep):
+        g = dist.new_group(list(range(e, world, ep)))
+        if e == ep_rank:
+            pp_group = g
+    return pp, pp_rank, ep_rank, (ep_group if ep > 1 else None), pp_group
+
+
+def _build(kind: str, ep_group):
+    torch.manual_seed(0)
+    if kind == "ref":
+        cfg = MoEConfig.tiny(n_layers=N_LAYERS, dim=32, n_heads=4, expert_dim=32, n_experts=4, shared_expert_dim=32,
+                             vocab_size=64)
+    elif kind == "mhc":
+        cfg = MoEConfig.tiny(n_layers=N_LAYERS, dim=32, n_heads=4, expert_dim=32, n_experts=4, vocab_size=64,
+                             mhc_rate=2)
+    else:
+        raise ValueError(kind)
+    return MoETransformer(cfg, ep_group), cfg.vocab_size
+
+
+def _stage_layout(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]:
+    """(number of stages, this rank's stage indices) as the schedule places them."""
+    if schedule in ("Schedule1F1B", "ScheduleGPipe"):
+        return pp, [pp_rank]
+    if schedule == "ScheduleDualPipeV":
+        return 2 * pp, [pp_rank, 2 * pp - 1 - pp_rank]
+    if schedule == "ScheduleInterleaved1F1B":
+        return 2 * pp, [pp_rank, pp_rank + pp]
+    raise ValueError(schedule)
+
+
+def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, n_mb: int = 4,
+             stage_cls: str = "RefStage", compiler: str = "eager") -> dict:
+    import torch.distributed.pipelining as pipelining
+
+    torch.manual_seed(0)
+    pp, pp_rank, ep_rank, ep_group, pp_group = _groups(rank, world, ep)
+    g = torch.Generator().manual_seed(100 + ep_rank)  # EP peers: different data
+    model, vocab = _build(kind, ep_group)
+    x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    y = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+
+    # the reference: the unpipelined model, eager, as pipelining scales the gradients
+    ref_losses = []
+    for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
+        loss = loss_fn(model(xi), yi)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(n_mb)
+    ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    names = {id(p): k for k, p in model.named_parameters()}
+    del model
+
+    model, _ = _build(kind, ep_group)
+    names = {id(p): k for k, p in model.named_parameters()}
+    n_stages, mine = _stage_layout(schedule, pp, pp_rank)
+    per = N_LAYERS // n_stages
+    make = {"RefStage": RefStage, "NoListStage": NoListStage}[stage_cls]
+    stages = []
+    for s in mine:
+        mod = make(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
+        stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
+    cls = getattr(pipelining, schedule)
+    arg = stages[0] if schedule in ("Schedule1F1B", "ScheduleGPipe") else stages
+    sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn, ep_group=ep_group,
+                                        config=fxoverlap.OverlapConfig(compiler=compiler))
+    has_first = any(s.is_first for s in stages)
+    has_last = any(s.is_last for s in stages)
+    losses: list = []
+    args = (x,) if has_first else ()
+    kwargs = dict(target=y, losses=losses) if has_last else {}
+    sched.step(*args, **kwargs)
+
+    out: dict = {"rank": rank, "stages": mine, "schedule_type": type(sched).__name__}
+    worst, scale, bitwise, missing, count = 0.0, 0.0, True, [], 0
+    for st in stages:
+        for p in st.submod.parameters():
+            k = names[id(p)]
+            r = ref.get(k)
+            if (r is None) != (p.grad is None):
+                missing.append(k)
+                continue
+            if r is None:
+                continue
+            count += 1
+            worst = max(worst, (p.grad.double() - r.double()).abs().max().item())
+            scale = max(scale, r.double().abs().max().item())
+            bitwise &= torch.equal(p.grad, r)
+    out.update(grad_max_abs_diff=worst, grad_max_abs_ref=scale, grad_bitwise=bitwise, missing=missing,
+               n_grads=count)
+    if has_last:
+        out["losses"] = [float(v.detach()) for v in losses]
+        out["ref_losses"] = [float(v) for v in ref_losses]
+        out["loss_bitwise"] = all(torch.equal(a.detach(), b) for a, b in zip(losses, ref_losses))
+    out["fxoverlap_stages"] = {i: [(str(s.kind), str(s.direction), s.layer) for s in v]
+                               for i, v in sched.fxoverlap_stages.items()}
+    return out
