@@ -88,6 +88,7 @@ class _StageCompiler:
         self.config = config
         self.registry = registry
         self.steps: list = []  # backend.CompiledStep, one per Dynamo graph of the stage module
+        self.forward_calls = 0  # F steps run (each a call of the compiled stage module)
         self.module = stage.submod
         self.compiled = torch.compile(stage.submod, backend=self._backend, dynamic=False, fullgraph=False)
 
@@ -116,6 +117,7 @@ class _StageCompiler:
         from torch._dynamo.exc import BackendCompilerFailed
 
         sub = self.stage.submod
+        self.forward_calls += 1
         try:
             if isinstance(sub, nn.parallel.DistributedDataParallel):
                 with sub.no_sync():
@@ -149,6 +151,7 @@ def _overlap_f_b(schedule, action, ctx) -> None:
         _wait_batch_p2p,
     )
 
+    schedule.fxoverlap_overlap_steps += 1
     if action.sub_actions is None:
         raise PipelineError(f"OVERLAP_F_B action {action} carries no sub_actions")
     stages = {s.stage_index: s for s in schedule._stages}
@@ -229,6 +232,7 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
 
         schedule.register_custom_function(OVERLAP_F_B, functools.partial(_overlap_f_b, schedule))
     schedule.fxoverlap_stages = registry
+    schedule.fxoverlap_overlap_steps = 0  # OVERLAP_F_B steps run by the custom function
     schedule.fxoverlap_ep_group = ep_group
     schedule.fxoverlap_config = config
     return schedule

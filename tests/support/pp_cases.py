@@ -109,6 +109,30 @@ def _build(kind: str, ep_group):
     return MoETransformer(cfg, ep_group), cfg.vocab_size
 
 
+def titan_next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _build_titan():
+    """torchtitan 0.3.0's Qwen3-MoE, tiny, N_LAYERS layers, one rank of EP (titan_real.py)."""
+    import titan_real
+
+    torch.manual_seed(0)
+    model = titan_real.qwen3_moe_config(n_layers=N_LAYERS).build()
+    model.init_states()
+    return model.train(), titan_real.VOCAB
+
+
+def _titan_stage(model, n_stages: int, s: int) -> nn.Module:
+    """Stage ``s`` as torchtitan's PP splits the model (``pipeline_parallel._split_module``: a
+    deep copy with the other stages' layers deleted from ``layers``, a ModuleDict keeping the
+    original names, and the other top-level modules set to None)."""
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part, _split_module
+
+    names = _generate_llm_fqn_per_model_part(n_stages, N_LAYERS, input_weight=1, output_weight=1)
+    return _split_module(model, names[s])
+
+
 def _stage_layout(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]:
     """(number of stages, this rank's stage indices) as the schedule places them."""
     if schedule in ("Schedule1F1B", "ScheduleGPipe"):
@@ -127,35 +151,43 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, n_mb: int
     torch.manual_seed(0)
     pp, pp_rank, ep_rank, ep_group, pp_group = _groups(rank, world, ep)
     g = torch.Generator().manual_seed(100 + ep_rank)  # EP peers: different data
-    model, vocab = _build(kind, ep_group)
+    titan = kind == "titan"
+    if titan and ep != 1:
+        raise ValueError("the torchtitan case runs at EP 1 (torchtitan's EP makes DTensor parameters, "
+                         "which the per-stage backend refuses)")
+    model, vocab = _build_titan() if titan else _build(kind, ep_group)
+    lossf = titan_next_token_loss if titan else loss_fn
     x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
-    y = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    y = x.clone() if titan else torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
 
     # the reference: the unpipelined model, eager, as pipelining scales the gradients
     ref_losses = []
     for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
-        loss = loss_fn(model(xi), yi)
+        loss = lossf(model(xi), yi)
         loss.backward()
         ref_losses.append(loss.detach())
     for p in model.parameters():
         if p.grad is not None:
             p.grad.div_(n_mb)
     ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    names = {id(p): k for k, p in model.named_parameters()}
     del model
 
-    model, _ = _build(kind, ep_group)
-    names = {id(p): k for k, p in model.named_parameters()}
+    model, _ = _build_titan() if titan else _build(kind, ep_group)
     n_stages, mine = _stage_layout(schedule, pp, pp_rank)
     per = N_LAYERS // n_stages
     make = {"RefStage": RefStage, "NoListStage": NoListStage}[stage_cls]
-    stages = []
+    stages, names = [], {}
     for s in mine:
-        mod = make(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
+        if titan:  # a deep copy: its parameters keep the whole model's names
+            mod = _titan_stage(model, n_stages, s)
+            names.update({id(p): k for k, p in mod.named_parameters()})
+        else:  # references to the whole model's modules
+            mod = make(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
+            names.update({id(p): k for k, p in model.named_parameters()})
         stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
     cls = getattr(pipelining, schedule)
     arg = stages[0] if schedule in ("Schedule1F1B", "ScheduleGPipe") else stages
-    sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn, ep_group=ep_group,
+    sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=lossf, ep_group=ep_group,
                                         config=fxoverlap.OverlapConfig(compiler=compiler))
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
@@ -185,6 +217,29 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, n_mb: int
         out["losses"] = [float(v.detach()) for v in losses]
         out["ref_losses"] = [float(v) for v in ref_losses]
         out["loss_bitwise"] = all(torch.equal(a.detach(), b) for a, b in zip(losses, ref_losses))
+    out["forward_calls"] = {st.stage_index: st._fxoverlap.forward_calls for st in stages}
+    out["overlap_steps"] = getattr(sched, "fxoverlap_overlap_steps", None)
     out["fxoverlap_stages"] = {i: [(str(s.kind), str(s.direction), s.layer) for s in v]
                                for i, v in sched.fxoverlap_stages.items()}
     return out
+
+
+def error_case(rank: int, world: int, which: str) -> dict:
+    """One rank, one pipeline stage holding the whole model: the error ``which`` raises."""
+    import torch.distributed.pipelining as pipelining
+
+    model, vocab = _build("ref", None)
+    make = {"nolist": NoListStage, "ok": RefStage}[which]
+    mod = make(model, list(range(N_LAYERS)), True, True)
+    stage = pipelining.PipelineStage(mod, 0, 1, torch.device("cpu"), group=dist.group.WORLD)
+    sched = fxoverlap.pipeline_schedule(pipelining.Schedule1F1B, stage, 2, loss_fn=loss_fn)
+    x = torch.randint(0, vocab, (4, SEQ))
+    try:
+        sched.step(x, target=x, losses=[])
+    except Exception as e:  # the error, and the fxoverlap error in its chain
+        chain, cur = [], e
+        while cur is not None:
+            chain.append((type(cur).__name__, str(cur)[:2000]))
+            cur = cur.__cause__ or cur.__context__
+        return {"raised": True, "chain": chain}
+    return {"raised": False, "grads": sum(p.grad is not None for p in mod.parameters())}

@@ -1,0 +1,81 @@
+"""fxoverlap.pipeline_schedule: torch.distributed.pipelining schedules whose F/B steps run as
+fxoverlap programs, against the unpipelined model run eagerly (tests/support/pp_cases.py).
+
+PP 2 x EP 1 on 2 gloo ranks, PP 2 x EP 2 on 4; Schedule1F1B, ScheduleInterleaved1F1B and
+ScheduleDualPipeV (which emits OVERLAP_F_B and the BACKWARD_INPUT/BACKWARD_WEIGHT split); 4
+microbatches; the reference MoE model, an mHC model and torchtitan's Qwen3-MoE. With
+``compiler="eager"`` the stage programs run eager's kernels in eager's order, and
+pipelining accumulates each stage's microbatch gradients in the reference's order, so
+losses and gradients are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import fxoverlap
+from fxoverlap.pipeline_parallel import UnsupportedSchedule
+from fxoverlap.testing import RankError, run_distributed
+
+import pp_cases
+
+
+def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: bool) -> None:
+    assert any("losses" in r for r in results)
+    for r in results:
+        where = f"rank {r['rank']} stages {r['stages']}"
+        assert r["schedule_type"] == schedule, where
+        assert not r["missing"], (where, r["missing"])
+        assert r["n_grads"] > 0, where
+        assert r["grad_bitwise"], (where, r["grad_max_abs_diff"], r["grad_max_abs_ref"])
+        if "losses" in r:
+            assert r["loss_bitwise"], (where, r["losses"], r["ref_losses"])
+            assert len(r["losses"]) == 4
+        # every local stage ran its F steps through fxoverlap, with fxoverlap stages per layer
+        assert set(r["fxoverlap_stages"]) == set(r["stages"]) and len(r["stages"]) == n_stages_per_rank, where
+        assert all(n == 4 for n in r["forward_calls"].values()), (where, r["forward_calls"])
+        for idx, stages in r["fxoverlap_stages"].items():
+            assert {d for _, d, _ in stages} == {"fwd", "bwd"}, (where, idx)
+            assert any(layer >= 0 and kind not in ("embed", "head") for kind, _, layer in stages), (where, idx)
+        if overlap:  # the OVERLAP_F_B custom function ran the merged steps
+            assert r["overlap_steps"] > 0, where
+
+
+@pytest.mark.parametrize("schedule,kind", [
+    ("Schedule1F1B", "ref"),
+    ("ScheduleDualPipeV", "ref"),
+    ("ScheduleInterleaved1F1B", "ref"),
+    ("ScheduleDualPipeV", "mhc"),
+    ("Schedule1F1B", "titan"),
+])
+def test_pp2_ep1(schedule, kind):
+    results = run_distributed(pp_cases.run_case, schedule, kind, 1, world_size=2)
+    _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
+    if kind == "ref":  # MoE layers: the all-to-alls are stages of their own
+        kinds = {k for r in results for st in r["fxoverlap_stages"].values() for k, _, _ in st}
+        assert {"dispatch", "experts", "combine"} <= kinds
+
+
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+def test_pp2_ep2(schedule):
+    results = run_distributed(pp_cases.run_case, schedule, "ref", 2, world_size=4)
+    _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
+
+
+def test_stage_without_layer_list_raises():
+    (res,) = run_distributed(pp_cases.error_case, "nolist", world_size=1)
+    assert res["raised"]
+    names = [n for n, _ in res["chain"]]
+    assert "StageLayersNotFound" in names, res["chain"]
+    msg = dict(res["chain"])["StageLayersNotFound"]
+    assert "pipeline stage 0" in msg and "ModuleDict" in msg and "layer_container" in msg
+
+
+def test_unsupported_schedule_raises():
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+
+    for cls in (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, object, "Schedule1F1B"):
+        with pytest.raises(UnsupportedSchedule, match="Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, "
+                                                      "ScheduleDualPipeV"):
+            fxoverlap.pipeline_schedule(cls, [], 4)
+    assert issubclass(UnsupportedSchedule, fxoverlap.FxOverlapError) and issubclass(UnsupportedSchedule, TypeError)
