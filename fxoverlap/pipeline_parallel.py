@@ -164,8 +164,10 @@ def _overlap_f_b(schedule, action, ctx) -> None:
                 if (idx, mb) not in schedule.fwd_recv_ops:
                     raise PipelineError(f"computing {sub} before receiving its input")
                 _wait_batch_p2p(schedule.fwd_recv_ops.pop((idx, mb)))
-            output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb])
-            schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+            output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
+                                             save_forward_output=schedule._fxoverlap_step_args["return_outputs"])
+            schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb,
+                                         schedule._fxoverlap_step_args["loss_kwargs"])
             if next_local:
                 stages[idx + 1].set_local_fwd_input(output, mb)
         elif kind in (FULL_BACKWARD, BACKWARD_INPUT):
@@ -186,6 +188,28 @@ def _overlap_f_b(schedule, action, ctx) -> None:
             raise PipelineError(f"OVERLAP_F_B sub-action {sub} is neither a forward nor a backward")
 
 
+@functools.cache
+def _schedule_class(cls: type) -> type:
+    """``cls`` with its step's ``return_outputs`` and ``loss_kwargs`` kept where the
+    ``OVERLAP_F_B`` custom function reads them (its ``ctx`` does not carry them)."""
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+                           return_outputs=True, loss_kwargs=None):
+        self._fxoverlap_step_args = {"return_outputs": return_outputs, "loss_kwargs": loss_kwargs}
+        try:
+            return cls._step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                          loss_kwargs=loss_kwargs)
+        finally:
+            self._fxoverlap_step_args = None
+
+    return type(cls.__name__, (cls,), {
+        "_step_microbatches": _step_microbatches,
+        "__doc__": f"{cls.__name__} whose F/B steps run as fxoverlap programs (fxoverlap.pipeline_schedule).",
+        "__module__": __name__,
+        "__qualname__": f"pipeline_schedule.{cls.__name__}",
+    })
+
+
 def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_fn: Callable | None = None,
                       ep_group: dist.ProcessGroup | None = None, config: OverlapConfig | None = None,
                       **schedule_kwargs: Any):
@@ -198,7 +222,8 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     it. ``ep_group`` is the expert-parallel group of the stage modules' MoE layers (checked;
     the layers hold it themselves); ``config`` the :class:`OverlapConfig` of every stage.
 
-    Returns the ``schedule_cls`` instance: ``schedule.step(x, target=y, losses=losses)`` as
+    Returns an instance of a subclass of ``schedule_cls`` (of the same name; it keeps
+    ``step``'s ``return_outputs`` and ``loss_kwargs`` for the ``OVERLAP_F_B`` function): ``schedule.step(x, target=y, losses=losses)`` as
     with pipelining. After the first step, ``schedule.fxoverlap_stages`` maps each local
     pipeline stage's index to its fxoverlap ``Stage`` objects.
     """
@@ -226,7 +251,7 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     registry: dict[int, list[Stage]] = {}
     for st in local:
         _install(st, _StageCompiler(st, config, registry))
-    schedule = schedule_cls(stages, n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
+    schedule = _schedule_class(schedule_cls)(stages, n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
     if multi:
         from torch.distributed.pipelining.schedules import OVERLAP_F_B
 

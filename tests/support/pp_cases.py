@@ -25,8 +25,9 @@ BATCH_PER_MB = 2
 SEQ = 8
 
 
-def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+def loss_fn(logits: torch.Tensor, target: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+    return loss if weight == 1.0 else loss * weight
 
 
 class RefStage(nn.Module):
@@ -145,7 +146,7 @@ def _stage_layout(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]
 
 
 def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, n_mb: int = 4,
-             stage_cls: str = "RefStage", compiler: str = "eager") -> dict:
+             stage_cls: str = "RefStage", compiler: str = "eager", loss_weight: float = 1.0) -> dict:
     import torch.distributed.pipelining as pipelining
 
     torch.manual_seed(0)
@@ -157,13 +158,14 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, n_mb: int
                          "which the per-stage backend refuses)")
     model, vocab = _build_titan() if titan else _build(kind, ep_group)
     lossf = titan_next_token_loss if titan else loss_fn
+    lkw = {"weight": loss_weight} if loss_weight != 1.0 else {}  # step(loss_kwargs=...)
     x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
     y = x.clone() if titan else torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
 
     # the reference: the unpipelined model, eager, as pipelining scales the gradients
     ref_losses = []
     for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
-        loss = lossf(model(xi), yi)
+        loss = lossf(model(xi), yi, **lkw)
         loss.backward()
         ref_losses.append(loss.detach())
     for p in model.parameters():
@@ -193,10 +195,11 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, n_mb: int
     has_last = any(s.is_last for s in stages)
     losses: list = []
     args = (x,) if has_first else ()
-    kwargs = dict(target=y, losses=losses) if has_last else {}
+    kwargs = dict(target=y, losses=losses, loss_kwargs=lkw or None) if has_last else {}
     sched.step(*args, **kwargs)
 
-    out: dict = {"rank": rank, "stages": mine, "schedule_type": type(sched).__name__}
+    out: dict = {"rank": rank, "stages": mine, "schedule_type": type(sched).__name__,
+                 "is_subclass": isinstance(sched, cls)}
     worst, scale, bitwise, missing, count = 0.0, 0.0, True, [], 0
     for st in stages:
         for p in st.submod.parameters():
