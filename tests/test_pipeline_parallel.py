@@ -50,9 +50,8 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
 ])
 def test_pp2_ep1(schedule, kind):
     # the mHC case passes loss_kwargs to step (a loss weight of 0.5, also in the reference)
-    # (n_mb, stage_cls, compiler, loss_weight)
-    extra = (4, "RefStage", "eager", 0.5) if kind == "mhc" else ()
-    results = run_distributed(pp_cases.run_case, schedule, kind, 1, *extra, world_size=2)
+    opts = {"loss_weight": 0.5} if kind == "mhc" else {}
+    results = run_distributed(pp_cases.run_case, schedule, kind, 1, opts, world_size=2)
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
     if kind == "ref":  # MoE layers: the all-to-alls are stages of their own
         kinds = {k for r in results for st in r["fxoverlap_stages"].values() for k, _, _ in st}
@@ -63,6 +62,18 @@ def test_pp2_ep1(schedule, kind):
 def test_pp2_ep2(schedule):
     results = run_distributed(pp_cases.run_case, schedule, "ref", 2, world_size=4)
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
+
+
+@pytest.mark.parametrize("kind,config", [
+    ("ac", {}),  # activation checkpointing: the layers' recompute stages inside each stage program
+    ("ref", {"dispatcher": "padded"}),  # a static dispatcher
+])
+def test_pp2_ep2_composes(kind, config):
+    results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", kind, 2, {"config": config}, world_size=4)
+    _check(results, "ScheduleDualPipeV", 2, overlap=True)
+    kinds = {k for r in results for st in r["fxoverlap_stages"].values() for k, _, _ in st}
+    if kind == "ac":
+        assert "recompute" in kinds, kinds
 
 
 def test_stage_without_layer_list_raises():

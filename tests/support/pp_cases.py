@@ -102,6 +102,9 @@ def _build(kind: str, ep_group):
     if kind == "ref":
         cfg = MoEConfig.tiny(n_layers=N_LAYERS, dim=32, n_heads=4, expert_dim=32, n_experts=4, shared_expert_dim=32,
                              vocab_size=64)
+    elif kind == "ac":  # every decoder layer under torch.utils.checkpoint (non-reentrant)
+        cfg = MoEConfig.tiny(n_layers=N_LAYERS, dim=32, n_heads=4, expert_dim=32, n_experts=4, shared_expert_dim=32,
+                             vocab_size=64, activation_checkpoint=True)
     elif kind == "mhc":
         cfg = MoEConfig.tiny(n_layers=N_LAYERS, dim=32, n_heads=4, expert_dim=32, n_experts=4, vocab_size=64,
                              mhc_rate=2)
@@ -145,9 +148,14 @@ def _stage_layout(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]
     raise ValueError(schedule)
 
 
-def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, n_mb: int = 4,
-             stage_cls: str = "RefStage", compiler: str = "eager", loss_weight: float = 1.0) -> dict:
+def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dict | None = None) -> dict:
+    """``opts``: ``n_mb`` (4), ``stage_cls`` ("RefStage"), ``loss_weight`` (1.0: passed to
+    ``step`` as ``loss_kwargs``), ``config`` (OverlapConfig fields; ``compiler="eager"``)."""
     import torch.distributed.pipelining as pipelining
+
+    opts = opts or {}
+    n_mb, stage_cls, loss_weight = opts.get("n_mb", 4), opts.get("stage_cls", "RefStage"), opts.get("loss_weight", 1.0)
+    config = {"compiler": "eager", **opts.get("config", {})}
 
     torch.manual_seed(0)
     pp, pp_rank, ep_rank, ep_group, pp_group = _groups(rank, world, ep)
@@ -190,7 +198,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, n_mb: int
     cls = getattr(pipelining, schedule)
     arg = stages[0] if schedule in ("Schedule1F1B", "ScheduleGPipe") else stages
     sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=lossf, ep_group=ep_group,
-                                        config=fxoverlap.OverlapConfig(compiler=compiler))
+                                        config=fxoverlap.OverlapConfig(**config))
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
     losses: list = []
