@@ -140,52 +140,198 @@ def _install(stage, compiler: _StageCompiler) -> None:
     stage.dw_builder = lambda: (lambda: None)
 
 
+def _wait_recv(schedule, stages, sub) -> None:
+    """Wait for what ``sub`` (a forward or backward action) receives, as the runtime does."""
+    from torch.distributed.pipelining.schedules import FORWARD, _wait_batch_p2p
+
+    mb, idx = sub.microbatch_index, sub.stage_index
+    stage = stages[idx]
+    if sub.computation_type == FORWARD:
+        if not stage.is_first and idx - 1 not in stages:
+            if (idx, mb) not in schedule.fwd_recv_ops:
+                raise PipelineError(f"computing {sub} before receiving its input")
+            _wait_batch_p2p(schedule.fwd_recv_ops.pop((idx, mb)))
+    elif not stage.is_last and idx + 1 not in stages:
+        if (idx, mb) not in schedule.bwd_recv_ops:
+            raise PipelineError(f"computing {sub} before receiving its gradients")
+        _wait_batch_p2p(schedule.bwd_recv_ops.pop((idx, mb)))
+
+
+def _forward(schedule, stages, sub, ctx) -> None:
+    """A FORWARD action after its receive: forward, loss, local hand-off."""
+    mb, idx = sub.microbatch_index, sub.stage_index
+    stage = stages[idx]
+    args = schedule._fxoverlap_step_args
+    output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=args["return_outputs"])
+    schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb, args["loss_kwargs"])
+    if idx + 1 in stages:
+        stages[idx + 1].set_local_fwd_input(output, mb)
+
+
+def _backward_counter(schedule, sub) -> bool:
+    """Count a FULL_BACKWARD as the runtime does; whether it is the stage's last backward."""
+    from torch.distributed.pipelining.schedules import FULL_BACKWARD
+
+    if sub.computation_type != FULL_BACKWARD:
+        return False
+    schedule.backward_counter[sub.stage_index] += 1
+    return schedule.backward_counter[sub.stage_index] == schedule._n_microbatches
+
+
+def _backward(schedule, stages, sub) -> None:
+    """A FULL_BACKWARD / BACKWARD_INPUT action after its receive, through autograd."""
+    from torch.distributed.pipelining.schedules import FULL_BACKWARD
+
+    mb, idx = sub.microbatch_index, sub.stage_index
+    stage = stages[idx]
+    loss = schedule._maybe_get_loss(stage, mb)
+    last = _backward_counter(schedule, sub)
+    stage.backward_one_chunk(mb, loss=loss, full_backward=sub.computation_type == FULL_BACKWARD, last_backward=last)
+    if idx - 1 in stages:
+        stages[idx - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+
+def _reaches_only(loss: torch.Tensor, node) -> bool:
+    """Whether every path of ``loss``'s autograd graph back to a leaf goes through ``node``."""
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn is node or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__ == "AccumulateGrad":
+            return False
+        todo.extend(nf for nf, _ in fn.next_functions)
+    return True
+
+
+def _no_hooks(t: torch.Tensor) -> bool:
+    return not getattr(t, "_post_accumulate_grad_hooks", None) and not getattr(t, "_backward_hooks", None)
+
+
+def _merged_backward(schedule, stages, sub):
+    """B(j) of a merged step, run outside autograd in turns with F(i): ``(generator, finish)``,
+    or ``None`` when this backward cannot be taken out of autograd (then F and B run one
+    after the other, through autograd): the stage's outputs are not all outputs of one
+    fxoverlap call (graph breaks, eager code after the graph), a DDP/FSDP module or a
+    gradient hook that autograd must run, a loss that reaches parameters outside the
+    stage program, random ops (their draws would interleave)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT
+
+    from fxoverlap import backend as fxb
+
+    mb, idx = sub.microbatch_index, sub.stage_index
+    stage = stages[idx]
+    if not stage.has_backward or isinstance(stage.submod, (nn.parallel.DistributedDataParallel, FSDPModule)):
+        return None
+    if mb not in stage.fwd_cache:
+        return None
+    stage_output, input_values = stage.fwd_cache[mb]
+    outs = [t for t in stage_output if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs or len(outs) != len(stage_output):
+        return None
+    node = outs[0].grad_fn
+    run = getattr(node, "run", None)
+    if not isinstance(run, fxb._Run) or run.state is None or any(t.grad_fn is not node for t in outs):
+        return None
+    step = run.step
+    if step.draws_random_numbers() or len(stage._fxoverlap.steps) != 1:
+        return None
+    leaves = [t for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
+    if any(not t.is_leaf or not _no_hooks(t) for t in leaves):
+        return None
+    if any(i not in {t.output_nr for t in outs} for i in step._tangent_pos):
+        return None
+    if stage.is_last:
+        loss = schedule._maybe_get_loss(stage, mb)
+        if loss is None or not _reaches_only(loss, node):
+            return None
+        grads = torch.autograd.grad(loss, outs, allow_unused=True)
+    else:
+        grads = stage._retrieve_recv_grads(mb)
+        if len(grads) != len(outs):
+            return None
+    grad_outputs: list = [None] * len(step.capture.outputs)
+    for t, g in zip(outs, grads):
+        grad_outputs[t.output_nr] = torch.zeros_like(t) if g is None else g
+    del stage.fwd_cache[mb]
+    last = _backward_counter(schedule, sub)
+    del last  # DDP/FSDP (what last_backward is for) take the autograd path
+
+    def finish() -> None:
+        for i, g in run.grads.items():  # as AccumulateGrad: the first gradient is taken, later ones added
+            t = run.args[i]
+            if not (isinstance(t, torch.Tensor) and t.requires_grad):
+                continue
+            if t.grad is None:
+                t.grad = g
+            else:
+                t.grad += g
+        grad_inputs = []
+        for v in input_values:  # as pipelining's stage_backward
+            if isinstance(v, torch.Tensor):
+                grad_inputs.append(v.grad)
+                v.grad = None
+            else:
+                grad_inputs.append(None)
+        stage.bwd_cache[mb] = tuple(grad_inputs)[: len(stage._stage_meta.inputs)]
+        if sub.computation_type == BACKWARD_INPUT:
+            stage.dw_runner[mb] = stage.dw_builder()
+        if stage.is_last and not stage.is_first:
+            for t in stage_output:
+                if not t._is_view():
+                    t.detach_()
+        if idx - 1 in stages:
+            stages[idx - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+    return step.backward_in_turns(run, grad_outputs), finish
+
+
 def _overlap_f_b(schedule, action, ctx) -> None:
-    """The ``OVERLAP_F_B`` step: F(i) of one stage, then B(j) of another (or the same), each
-    an fxoverlap program. Receives, loss and local hand-offs as ``_PipelineScheduleRuntime``
-    runs a FORWARD and a FULL_BACKWARD / BACKWARD_INPUT action."""
-    from torch.distributed.pipelining.schedules import (
-        BACKWARD_INPUT,
-        FORWARD,
-        FULL_BACKWARD,
-        _wait_batch_p2p,
-    )
+    """The ``OVERLAP_F_B`` step F(i) ⊗ B(j): the forward program of one stage and the
+    backward program of another (or the same) run in turns, each stopping after each of
+    its comm stages, so one's compute runs under the other's all-to-alls (on CUDA, each
+    program's comm stream). Receives, loss and local hand-offs as ``_PipelineScheduleRuntime``
+    runs a FORWARD and a FULL_BACKWARD / BACKWARD_INPUT action. Where B cannot be taken out
+    of autograd (:func:`_merged_backward`), F then B."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, FORWARD, FULL_BACKWARD
+
+    from fxoverlap import backend as fxb
 
     schedule.fxoverlap_overlap_steps += 1
     if action.sub_actions is None:
         raise PipelineError(f"OVERLAP_F_B action {action} carries no sub_actions")
     stages = {s.stage_index: s for s in schedule._stages}
-    for sub in action.sub_actions:
-        kind, mb, idx = sub.computation_type, sub.microbatch_index, sub.stage_index
-        stage = stages[idx]
-        next_local, prev_local = idx + 1 in stages, idx - 1 in stages
-        if kind == FORWARD:
-            if not stage.is_first and not prev_local:
-                if (idx, mb) not in schedule.fwd_recv_ops:
-                    raise PipelineError(f"computing {sub} before receiving its input")
-                _wait_batch_p2p(schedule.fwd_recv_ops.pop((idx, mb)))
-            output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
-                                             save_forward_output=schedule._fxoverlap_step_args["return_outputs"])
-            schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb,
-                                         schedule._fxoverlap_step_args["loss_kwargs"])
-            if next_local:
-                stages[idx + 1].set_local_fwd_input(output, mb)
-        elif kind in (FULL_BACKWARD, BACKWARD_INPUT):
-            if not stage.is_last and not next_local:
-                if (idx, mb) not in schedule.bwd_recv_ops:
-                    raise PipelineError(f"computing {sub} before receiving its gradients")
-                _wait_batch_p2p(schedule.bwd_recv_ops.pop((idx, mb)))
-            loss = schedule._maybe_get_loss(stage, mb)
-            full = kind == FULL_BACKWARD
-            last = False
-            if full:
-                schedule.backward_counter[idx] += 1
-                last = schedule.backward_counter[idx] == schedule._n_microbatches
-            stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last)
-            if prev_local:
-                stages[idx - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
-        else:
+    subs = list(action.sub_actions)
+    for sub in subs:
+        if sub.computation_type not in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT):
             raise PipelineError(f"OVERLAP_F_B sub-action {sub} is neither a forward nor a backward")
+    kinds = [s.computation_type == FORWARD for s in subs]
+    if len(subs) == 2 and sorted(kinds) == [False, True] and schedule.fxoverlap_merge:
+        f, b = (subs[0], subs[1]) if kinds[0] else (subs[1], subs[0])
+        _wait_recv(schedule, stages, f)
+        _wait_recv(schedule, stages, b)
+        merged = _merged_backward(schedule, stages, b)
+        if merged is not None:
+            gen, finish = merged
+            fxb.run_in_turns(gen, lambda: _forward(schedule, stages, f, ctx))
+            finish()
+            schedule.fxoverlap_merged_steps += 1
+            return
+        if subs[0] is f:
+            _forward(schedule, stages, f, ctx)
+            _backward(schedule, stages, b)
+        else:
+            _backward(schedule, stages, b)
+            _forward(schedule, stages, f, ctx)
+        return
+    for sub in subs:
+        _wait_recv(schedule, stages, sub)
+        if sub.computation_type == FORWARD:
+            _forward(schedule, stages, sub, ctx)
+        else:
+            _backward(schedule, stages, sub)
 
 
 @functools.cache
@@ -212,14 +358,14 @@ def _schedule_class(cls: type) -> type:
 
 def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_fn: Callable | None = None,
                       ep_group: dist.ProcessGroup | None = None, config: OverlapConfig | None = None,
-                      **schedule_kwargs: Any):
+                      merge: bool = True, **schedule_kwargs: Any):
     """A ``torch.distributed.pipelining`` schedule whose F and B steps run as fxoverlap programs.
 
     ``schedule_cls`` is the pipelining schedule class, ``stages`` what it takes (one
     ``PipelineStage`` for single-stage schedules such as ``Schedule1F1B``, a list for
     multi-stage ones such as ``ScheduleDualPipeV``), ``n_microbatches``, ``loss_fn(output,
     target)`` and ``schedule_kwargs`` (``scale_grads``, chunk specs, ...) are passed on to
-    it. ``ep_group`` is the expert-parallel group of the stage modules' MoE layers (checked;
+    it. ``merge=False`` runs each ``OVERLAP_F_B`` as F then B (for comparison). ``ep_group`` is the expert-parallel group of the stage modules' MoE layers (checked;
     the layers hold it themselves); ``config`` the :class:`OverlapConfig` of every stage.
 
     Returns an instance of a subclass of ``schedule_cls`` (of the same name; it keeps
@@ -258,6 +404,8 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
         schedule.register_custom_function(OVERLAP_F_B, functools.partial(_overlap_f_b, schedule))
     schedule.fxoverlap_stages = registry
     schedule.fxoverlap_overlap_steps = 0  # OVERLAP_F_B steps run by the custom function
+    schedule.fxoverlap_merged_steps = 0  # of which F and B ran in turns (the rest: F then B)
+    schedule.fxoverlap_merge = merge
     schedule.fxoverlap_ep_group = ep_group
     schedule.fxoverlap_config = config
     return schedule

@@ -37,8 +37,16 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
         for idx, stages in r["fxoverlap_stages"].items():
             assert {d for _, d, _ in stages} == {"fwd", "bwd"}, (where, idx)
             assert any(layer >= 0 and kind not in ("embed", "head") for kind, _, layer in stages), (where, idx)
-        if overlap:  # the OVERLAP_F_B custom function ran the merged steps
-            assert r["overlap_steps"] > 0, where
+        if overlap:  # the OVERLAP_F_B custom function ran the merged steps, F and B in turns
+            assert r["overlap_steps"] > 0 and r["merged_steps"] == r["overlap_steps"], where
+            assert len(r["merged_calls"]) == r["merged_steps"], where
+            for calls in r["merged_calls"]:
+                dirs = [d for d, _ in calls]
+                # interleaved: a backward stage runs before the forward's last stage, and right
+                # after the forward's first dispatch (its compute under that all-to-all)
+                assert "bwd" in dirs and dirs.index("bwd") < len(dirs) - 1 - dirs[::-1].index("fwd"), (where, calls)
+                first_dispatch = calls.index(("fwd", "dispatch"))
+                assert calls[first_dispatch + 1][0] == "bwd", (where, calls)
 
 
 @pytest.mark.parametrize("schedule,kind", [

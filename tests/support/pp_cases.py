@@ -204,7 +204,30 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     losses: list = []
     args = (x,) if has_first else ()
     kwargs = dict(target=y, losses=losses, loss_kwargs=lkw or None) if has_last else {}
-    sched.step(*args, **kwargs)
+    # the stage calls of each merged OVERLAP_F_B step, in the order they ran
+    import fxoverlap.backend as fxb
+    from fxoverlap.runtime import ProgramRunner
+
+    merged_calls: list[list[tuple[str, str]]] = []
+    orig_turns, orig_call = fxb.run_in_turns, ProgramRunner.call_stage
+
+    def turns(other, forward):
+        merged_calls.append([])
+        try:
+            return orig_turns(other, forward)
+        finally:
+            merged_calls.append(None)
+
+    def call_stage(self, node, stage, mb, cross):
+        if merged_calls and merged_calls[-1] is not None:
+            merged_calls[-1].append((str(stage.direction), str(stage.kind)))
+        return orig_call(self, node, stage, mb, cross)
+
+    fxb.run_in_turns, ProgramRunner.call_stage = turns, call_stage
+    try:
+        sched.step(*args, **kwargs)
+    finally:
+        fxb.run_in_turns, ProgramRunner.call_stage = orig_turns, orig_call
 
     out: dict = {"rank": rank, "stages": mine, "schedule_type": type(sched).__name__,
                  "is_subclass": isinstance(sched, cls)}
@@ -230,6 +253,8 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
         out["loss_bitwise"] = all(torch.equal(a.detach(), b) for a, b in zip(losses, ref_losses))
     out["forward_calls"] = {st.stage_index: st._fxoverlap.forward_calls for st in stages}
     out["overlap_steps"] = getattr(sched, "fxoverlap_overlap_steps", None)
+    out["merged_steps"] = getattr(sched, "fxoverlap_merged_steps", None)
+    out["merged_calls"] = [c for c in merged_calls if c is not None]
     out["fxoverlap_stages"] = {i: [(str(s.kind), str(s.direction), s.layer) for s in v]
                                for i, v in sched.fxoverlap_stages.items()}
     return out
