@@ -414,6 +414,7 @@ class _Run:
         if self.next_segment == len(self.step._segments):
             self.state.stores.clear()
             self.state = None
+            self.args = ()
         return grads
 
 
@@ -426,7 +427,8 @@ class _StepFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run: _Run, token: torch.Tensor | None, *args):
-        run.args = args
+        if run.step.keep_args:
+            run.args = args
         outs = run.step._run_forward(run, args)
         ctx.run, ctx.token_device = run, None if token is None else token.device
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, run.step._differentiable) if not d))
@@ -492,6 +494,9 @@ class CompiledStep:
     def __init__(self, gm: torch.fx.GraphModule, capture_: Capture, stages: list[Stage],
                  program: torch.fx.GraphModule, wrapper: _GraphStep, config: OverlapConfig, device: torch.device):
         self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
+        # keep each call's graph inputs until its backward (backward_in_turns needs them; pipeline
+        # parallelism sets it, where the stage's inputs are held until its backward anyway)
+        self.keep_args = False
         self._graphs = GraphCache(config.cuda_graphs)
         graphs = self._graphs.get(program, stages, capture_, device)
         make_runner = functools.partial(ProgramRunner, program, stages, capture_, device, grads=None,
@@ -600,7 +605,7 @@ class CompiledStep:
         handed = state.outputs[0]
         run.grads = {i: handed.pop(v) for i, v in self._grad_of.items() if v in handed}
         state.stores.clear()
-        run.state = None
+        run.state, run.args = None, ()
 
     def draws_random_numbers(self) -> bool:
         return any(s.draws for s in self.stages)

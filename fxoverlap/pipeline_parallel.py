@@ -109,6 +109,7 @@ class _StageCompiler:
                 f"holding them; a stage module's decoder layers must be the entries of one nn.ModuleList or "
                 f"nn.ModuleDict (torchtitan's PP split keeps `layers` as a ModuleDict with the original "
                 f"names), or name the container with OverlapConfig(layer_container='...')")
+        step.keep_args = True  # for OVERLAP_F_B's backward outside autograd (backward_in_turns)
         self.steps.append(step)
         self.registry.setdefault(self.stage.stage_index, []).extend(step.stages)
         return step
@@ -236,7 +237,7 @@ def _merged_backward(schedule, stages, sub):
     if not isinstance(run, fxb._Run) or run.state is None or any(t.grad_fn is not node for t in outs):
         return None
     step = run.step
-    if step.draws_random_numbers() or len(stage._fxoverlap.steps) != 1:
+    if not run.args or step.draws_random_numbers() or len(stage._fxoverlap.steps) != 1:
         return None
     leaves = [t for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
     if any(not t.is_leaf or not _no_hooks(t) for t in leaves):
@@ -259,9 +260,11 @@ def _merged_backward(schedule, stages, sub):
     last = _backward_counter(schedule, sub)
     del last  # DDP/FSDP (what last_backward is for) take the autograd path
 
+    args = run.args  # the generator drops them from the run when done
+
     def finish() -> None:
         for i, g in run.grads.items():  # as AccumulateGrad: the first gradient is taken, later ones added
-            t = run.args[i]
+            t = args[i]
             if not (isinstance(t, torch.Tensor) and t.requires_grad):
                 continue
             if t.grad is None:
