@@ -19,10 +19,11 @@ What is hooked, and where (``docs/pipeline_parallel.md``):
   ``parameters()``, ``scale_grads`` and DDP/FSDP checks see what they always see, and
   pipelining's own torch.compile check (DualPipeV refuses compiled submodules) holds;
 - multi-stage schedules (``_PipelineScheduleRuntime``: Interleaved1F1B, DualPipeV): an
-  ``OVERLAP_F_B`` custom function (``register_custom_function``) runs the merged step. Today
-  it runs F(i) then B(j), each an fxoverlap program, with pipelining's receives, loss and
-  V-schedule hand-offs exactly as the runtime's own ``_perform_action`` does them; a single
-  merged fxoverlap program for F(i) ⊗ B(j) is not built yet;
+  ``OVERLAP_F_B`` custom function (``register_custom_function``) runs the merged step
+  F(i) ⊗ B(j): F(i)'s forward program and B(j)'s backward program in turns, each stopping
+  after each of its comm stages, B(j) outside autograd (:func:`_merged_backward`), with
+  pipelining's receives, loss and V-schedule hand-offs as the runtime's own
+  ``_perform_action`` does them; F then B through autograd where B cannot leave it exactly;
 - ZeroBubble splits (``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT``, which DualPipeV emits):
   fxoverlap's backward is one autograd node that hands out input and weight gradients
   together, which ``torch.autograd.grad(inputs=...)`` cannot split. Each stage gets

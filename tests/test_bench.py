@@ -181,3 +181,4 @@ def test_pp_bench_cpu_two_ranks(tmp_path):
     assert fx[0]["first_losses"] and len(fx[0]["first_losses"]) == 4
     assert fx[0]["max_loss_diff_vs_eager"] <= 1e-6
     assert all(len(x["fxoverlap_stages"]) == 2 and x["overlap_f_b_steps"] > 0 for x in fx)
+    assert all(x["merged_steps"] == x["overlap_f_b_steps"] for x in fx)

@@ -20,7 +20,7 @@ from fxoverlap.testing import RankError, run_distributed
 import pp_cases
 
 
-def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: bool) -> None:
+def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: bool, merged: bool = True) -> None:
     assert any("losses" in r for r in results)
     for r in results:
         where = f"rank {r['rank']} stages {r['stages']}"
@@ -37,7 +37,9 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
         for idx, stages in r["fxoverlap_stages"].items():
             assert {d for _, d, _ in stages} == {"fwd", "bwd"}, (where, idx)
             assert any(layer >= 0 and kind not in ("embed", "head") for kind, _, layer in stages), (where, idx)
-        if overlap:  # the OVERLAP_F_B custom function ran the merged steps, F and B in turns
+        if overlap and not merged:  # merge=False: F then B, through autograd
+            assert r["overlap_steps"] > 0 and r["merged_steps"] == 0 and not r["merged_calls"], where
+        elif overlap:  # the OVERLAP_F_B custom function ran the merged steps, F and B in turns
             assert r["overlap_steps"] > 0 and r["merged_steps"] == r["overlap_steps"], where
             assert len(r["merged_calls"]) == r["merged_steps"], where
             for calls in r["merged_calls"]:
@@ -101,3 +103,9 @@ def test_unsupported_schedule_raises():
                                                       "ScheduleDualPipeV"):
             fxoverlap.pipeline_schedule(cls, [], 4)
     assert issubclass(UnsupportedSchedule, fxoverlap.FxOverlapError) and issubclass(UnsupportedSchedule, TypeError)
+
+
+def test_pp2_ep2_overlap_f_b_unmerged():
+    """merge=False: each OVERLAP_F_B runs F then B through autograd; the same gradients."""
+    results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", "ref", 2, {"merge": False}, world_size=4)
+    _check(results, "ScheduleDualPipeV", 2, overlap=True, merged=False)

@@ -10,7 +10,10 @@ stage modules (embedding + first layers, ..., last layers + norm + output; decod
 - ``eager``: the pipelining schedule as it is;
 - ``compile``: the same, each stage module compiled in place by ``torch.compile``
   (``nn.Module.compile()``, Inductor; DualPipeV refuses an ``OptimizedModule`` wrapper);
-- ``fxoverlap``: ``fxoverlap.pipeline_schedule`` (each stage's F/B an fxoverlap program).
+- ``fxoverlap``: ``fxoverlap.pipeline_schedule`` (each stage's F/B an fxoverlap program;
+  each ``OVERLAP_F_B`` the two programs in turns);
+- ``fxoverlap_seq``: the same with ``merge=False`` (each ``OVERLAP_F_B`` F then B): what
+  the merged step gains.
 
 Reported per mode (rank 0, and ``--out``/pp_bench.json): median step time over ``--iters``
 timed steps after ``--warmup``, tokens/s, peak memory on CUDA, and the first step's losses on
@@ -31,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-MODES = ("eager", "compile", "fxoverlap")
+MODES = ("eager", "compile", "fxoverlap", "fxoverlap_seq")
 SCHEDULES = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleDualPipeV")
 
 
@@ -87,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() shapes (CPU smoke)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--warmup", type=int, default=None, help="default 2 (1 on CPU)")
     p.add_argument("--iters", type=int, default=None, help="default 5 (2 on CPU)")
     p.add_argument("--out", default=None, help="folder for pp_bench.json")
@@ -158,8 +161,9 @@ def run(args: argparse.Namespace) -> dict | None:
             stages.append(pipelining.PipelineStage(mod, s, n_stages, device, group=pp_group))
         cls = getattr(pipelining, args.schedule)
         arg = stages[0] if args.schedule == "Schedule1F1B" else stages
-        if mode == "fxoverlap":
-            sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn, ep_group=ep_group)
+        if mode.startswith("fxoverlap"):
+            sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn, ep_group=ep_group,
+                                                merge=mode == "fxoverlap")
         else:
             sched = cls(arg, n_mb, loss_fn=loss_fn)
         has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
@@ -194,7 +198,8 @@ def run(args: argparse.Namespace) -> dict | None:
             ref_losses = first_losses
         if first_losses is not None and ref_losses is not None:
             row["max_loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(first_losses, ref_losses))
-        if mode == "fxoverlap":
+        if mode.startswith("fxoverlap"):
+            row["merged_steps"] = sched.fxoverlap_merged_steps
             row["fxoverlap_stages"] = {i: len(v) for i, v in sched.fxoverlap_stages.items()}
             row["overlap_f_b_steps"] = getattr(sched, "fxoverlap_overlap_steps", None)
         rows = [None] * world
@@ -215,10 +220,10 @@ def format_report(report: dict) -> str:
     lines = [f"PP {report['pp']} x EP {report['ep']} ({report['world']} ranks), {report['schedule']}, "
              f"{report['microbatches']} microbatches x {report['micro_batch_size']} x {report['seq']} tokens, "
              f"{report['device']} {report['dtype']}",
-             f"{'mode':<10} {'step ms':>10} {'tokens/s':>12} {'vs eager':>9} {'max |loss - eager|':>19}"]
+             f"{'mode':<14} {'step ms':>10} {'tokens/s':>12} {'vs eager':>9} {'max |loss - eager|':>19}"]
     for mode, r in report["modes"].items():
         diffs = [x.get("max_loss_diff_vs_eager") for x in r["ranks"] if x.get("max_loss_diff_vs_eager") is not None]
-        lines.append(f"{mode:<10} {r['step_ms']:>10.2f} {r['tokens_per_s']:>12.0f} "
+        lines.append(f"{mode:<14} {r['step_ms']:>10.2f} {r['tokens_per_s']:>12.0f} "
                      f"{r.get('speedup_vs_eager', float('nan')):>8.3f}x "
                      f"{(max(diffs) if diffs else float('nan')):>19.3g}")
     return "\n".join(lines)

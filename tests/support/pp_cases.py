@@ -198,7 +198,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     cls = getattr(pipelining, schedule)
     arg = stages[0] if schedule in ("Schedule1F1B", "ScheduleGPipe") else stages
     sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=lossf, ep_group=ep_group,
-                                        config=fxoverlap.OverlapConfig(**config))
+                                        config=fxoverlap.OverlapConfig(**config), merge=opts.get("merge", True))
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
     losses: list = []
