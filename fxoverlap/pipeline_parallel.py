@@ -46,7 +46,7 @@ from fxoverlap.config import OverlapConfig
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.stage import Stage
 
-__all__ = ["PipelineError", "UnsupportedSchedule", "StageLayersNotFound", "pipeline_schedule",
+__all__ = ["PipelineError", "PipelineInputError", "UnsupportedSchedule", "StageLayersNotFound", "pipeline_schedule",
            "supported_schedules"]
 
 
@@ -56,6 +56,10 @@ class PipelineError(FxOverlapError, RuntimeError):
 
 class UnsupportedSchedule(FxOverlapError, TypeError):
     """A schedule class :func:`pipeline_schedule` does not run."""
+
+
+class PipelineInputError(FxOverlapError, TypeError):
+    """An argument of :func:`pipeline_schedule` is not what it takes (the message says what is)."""
 
 
 class StageLayersNotFound(PipelineError):
@@ -386,7 +390,7 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
             f"(ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) and custom CSV schedules are not "
             f"supported yet (docs/pipeline_parallel.md)")
     if ep_group is not None and not isinstance(ep_group, dist.ProcessGroup):
-        raise TypeError(f"ep_group must be a torch.distributed ProcessGroup or None, got {type(ep_group).__name__}")
+        raise PipelineInputError(f"ep_group must be a torch.distributed ProcessGroup or None, got {type(ep_group).__name__}")
     config = config or OverlapConfig()
     from fxoverlap.backend import UNSUPPORTED_FIELDS
 
@@ -397,7 +401,7 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     multi = _is_multi_stage(schedule_cls)
     local = list(stages) if isinstance(stages, (list, tuple)) else [stages]
     if not multi and isinstance(stages, (list, tuple)):
-        raise TypeError(f"{schedule_cls.__name__} takes one PipelineStage, got a {type(stages).__name__}")
+        raise PipelineInputError(f"{schedule_cls.__name__} takes one PipelineStage, got a {type(stages).__name__}")
     registry: dict[int, list[Stage]] = {}
     for st in local:
         _install(st, _StageCompiler(st, config, registry))

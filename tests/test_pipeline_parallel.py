@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import fxoverlap
-from fxoverlap.pipeline_parallel import UnsupportedSchedule
+from fxoverlap.pipeline_parallel import PipelineInputError, UnsupportedSchedule
 from fxoverlap.testing import RankError, run_distributed
 
 import pp_cases
@@ -37,7 +37,9 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
         for idx, stages in r["fxoverlap_stages"].items():
             assert {d for _, d, _ in stages} == {"fwd", "bwd"}, (where, idx)
             assert any(layer >= 0 and kind not in ("embed", "head") for kind, _, layer in stages), (where, idx)
-        if overlap and not merged:  # merge=False: F then B, through autograd
+        if overlap and merged is None:  # some merged, some not
+            assert r["overlap_steps"] > 0, where
+        elif overlap and not merged:  # merge=False: F then B, through autograd
             assert r["overlap_steps"] > 0 and r["merged_steps"] == 0 and not r["merged_calls"], where
         elif overlap:  # the OVERLAP_F_B custom function ran the merged steps, F and B in turns
             assert r["overlap_steps"] > 0 and r["merged_steps"] == r["overlap_steps"], where
@@ -103,9 +105,27 @@ def test_unsupported_schedule_raises():
                                                       "ScheduleDualPipeV"):
             fxoverlap.pipeline_schedule(cls, [], 4)
     assert issubclass(UnsupportedSchedule, fxoverlap.FxOverlapError) and issubclass(UnsupportedSchedule, TypeError)
+    from torch.distributed.pipelining import Schedule1F1B
+
+    with pytest.raises(PipelineInputError, match="Schedule1F1B takes one PipelineStage, got a list"):
+        fxoverlap.pipeline_schedule(Schedule1F1B, [], 4)
+    with pytest.raises(PipelineInputError, match="ep_group must be a torch.distributed ProcessGroup or None, got str"):
+        fxoverlap.pipeline_schedule(Schedule1F1B, None, 4, ep_group="ep")
 
 
 def test_pp2_ep2_overlap_f_b_unmerged():
     """merge=False: each OVERLAP_F_B runs F then B through autograd; the same gradients."""
     results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", "ref", 2, {"merge": False}, world_size=4)
     _check(results, "ScheduleDualPipeV", 2, overlap=True, merged=False)
+
+
+def test_pp2_ep1_gradient_hook_keeps_autograd():
+    """A post-accumulate-grad hook on a parameter of the last stage: that stage's backward
+    stays in autograd (the hook runs once per microbatch), the other stages' merge; the
+    gradients are the same."""
+    results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", "ref", 1, {"hook": True}, world_size=2)
+    _check(results, "ScheduleDualPipeV", 2, overlap=True, merged=None)
+    by_rank = {r["rank"]: r for r in results}
+    assert by_rank[0]["hook_calls"] == 4  # rank 0 holds the last stage (3): one call per microbatch
+    assert 0 < by_rank[0]["merged_steps"] < by_rank[0]["overlap_steps"]  # B of stage 3 stayed in autograd
+    assert by_rank[1]["merged_steps"] == by_rank[1]["overlap_steps"]

@@ -72,7 +72,7 @@ def stage_indices(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]
         return 2 * pp, [pp_rank, 2 * pp - 1 - pp_rank]
     if schedule == "ScheduleInterleaved1F1B":
         return 2 * pp, [pp_rank, pp_rank + pp]
-    raise ValueError(f"--schedule must be one of {SCHEDULES}, got {schedule!r}")
+    raise SystemExit(f"--schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -195,6 +195,11 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
             mod = make(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
             names.update({id(p): k for k, p in model.named_parameters()})
         stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
+    hook_calls = []
+    if opts.get("hook"):
+        for st in stages:
+            if st.is_last:
+                st.submod.output.weight.register_post_accumulate_grad_hook(lambda p: hook_calls.append(1))
     cls = getattr(pipelining, schedule)
     arg = stages[0] if schedule in ("Schedule1F1B", "ScheduleGPipe") else stages
     sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=lossf, ep_group=ep_group,
@@ -255,6 +260,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     out["overlap_steps"] = getattr(sched, "fxoverlap_overlap_steps", None)
     out["merged_steps"] = getattr(sched, "fxoverlap_merged_steps", None)
     out["merged_calls"] = [c for c in merged_calls if c is not None]
+    out["hook_calls"] = len(hook_calls)
     out["fxoverlap_stages"] = {i: [(str(s.kind), str(s.direction), s.layer) for s in v]
                                for i, v in sched.fxoverlap_stages.items()}
     return out
