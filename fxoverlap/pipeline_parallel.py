@@ -94,6 +94,8 @@ class _StageCompiler:
         self.registry = registry
         self.steps: list = []  # backend.CompiledStep, one per Dynamo graph of the stage module
         self.forward_calls = 0  # F steps run (each a call of the compiled stage module)
+        self.backwards = 0  # backward_one_chunk calls in this step
+        self.n_microbatches = 0  # set by pipeline_schedule
         self.module = stage.submod
         self.compiled = torch.compile(stage.submod, backend=self._backend, dynamic=False, fullgraph=False)
 
@@ -144,6 +146,18 @@ def _install(stage, compiler: _StageCompiler) -> None:
     stage.forward_maybe_with_nosync = compiler.forward
     # ZeroBubble: BACKWARD_INPUT runs the whole backward, BACKWARD_WEIGHT nothing (module doc)
     stage.dw_builder = lambda: (lambda: None)
+    # ... so the backward that completes the step's gradients is the last microbatch's
+    # BACKWARD_INPUT, not its BACKWARD_WEIGHT (which pipelining flags as the last): DDP's
+    # reduction (last_backward) must come with that BACKWARD_INPUT
+    original = stage.backward_one_chunk
+
+    def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        compiler.backwards += 1
+        if not full_backward and compiler.backwards == compiler.n_microbatches:
+            last_backward = True
+        return original(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    stage.backward_one_chunk = backward_one_chunk
 
 
 def _wait_recv(schedule, stages, sub) -> None:
@@ -350,6 +364,8 @@ def _schedule_class(cls: type) -> type:
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):
         self._fxoverlap_step_args = {"return_outputs": return_outputs, "loss_kwargs": loss_kwargs}
+        for st in self._stages:
+            st._fxoverlap.backwards = 0
         try:
             return cls._step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
                                           loss_kwargs=loss_kwargs)
@@ -402,9 +418,16 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     local = list(stages) if isinstance(stages, (list, tuple)) else [stages]
     if not multi and isinstance(stages, (list, tuple)):
         raise PipelineInputError(f"{schedule_cls.__name__} takes one PipelineStage, got a {type(stages).__name__}")
+    from torch.distributed.fsdp import FSDPModule
+
+    if fsdp := [st.stage_index for st in local if isinstance(st.submod, FSDPModule)]:
+        raise PipelineError(f"pipeline stages {fsdp}: FSDP-wrapped stage modules are not supported by "
+                            f"fxoverlap.pipeline_schedule yet (DDP is; docs/pipeline_parallel.md)")
     registry: dict[int, list[Stage]] = {}
     for st in local:
-        _install(st, _StageCompiler(st, config, registry))
+        compiler = _StageCompiler(st, config, registry)
+        compiler.n_microbatches = n_microbatches
+        _install(st, compiler)
     schedule = _schedule_class(schedule_cls)(stages, n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
     if multi:
         from torch.distributed.pipelining.schedules import OVERLAP_F_B

@@ -129,3 +129,17 @@ def test_pp2_ep1_gradient_hook_keeps_autograd():
     assert by_rank[0]["hook_calls"] == 4  # rank 0 holds the last stage (3): one call per microbatch
     assert 0 < by_rank[0]["merged_steps"] < by_rank[0]["overlap_steps"]  # B of stage 3 stayed in autograd
     assert by_rank[1]["merged_steps"] == by_rank[1]["overlap_steps"]
+
+
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+def test_pp2_dp2_ddp_stage_modules(schedule):
+    """PP 2 x DP 2: each stage module in DistributedDataParallel over its DP group. DDP
+    reduces at the stage's last backward: with DualPipeV that is the last microbatch's
+    BACKWARD_INPUT (the whole backward runs there), which pipelining does not flag as the
+    last. Against the eager model's gradients averaged over DP: fp32, 1e-6 relative (the
+    reduction adds in another order)."""
+    results = run_distributed(pp_cases.run_dp_case, schedule, world_size=4)
+    for r in results:
+        assert not r["missing"] and r["n_grads"] > 0, r
+        assert r["max_abs_diff"] <= 1e-6 * r["max_abs_ref"], r
+        assert all(n > 0 for n in r["stages"].values()), r

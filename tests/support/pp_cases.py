@@ -285,3 +285,63 @@ def error_case(rank: int, world: int, which: str) -> dict:
             cur = cur.__cause__ or cur.__context__
         return {"raised": True, "chain": chain}
     return {"raised": False, "grads": sum(p.grad is not None for p in mod.parameters())}
+
+
+def run_dp_case(rank: int, world: int, schedule: str) -> dict:
+    """PP 2 x DP 2 (EP 1) on 4 ranks: each stage module in DistributedDataParallel over its DP
+    group (each DP rank its own data). The reference: the unpipelined model, eager, gradients
+    divided by the microbatch count, averaged over the DP group."""
+    import torch.distributed.pipelining as pipelining
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n_mb, dp = 4, 2
+    pp, pp_rank, dp_rank, _, pp_group = _groups(rank, world, dp)
+    dp_group = None
+    for r in range(pp):  # the rows of the mesh (the groups _groups made first) again, as DP groups
+        g = dist.new_group(list(range(r * dp, (r + 1) * dp)))
+        if r == pp_rank:
+            dp_group = g
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    model, vocab = _build("ref", None)
+    x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    y = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
+        loss_fn(model(xi), yi).backward()
+    ref = {}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            gr = p.grad / n_mb
+            dist.all_reduce(gr, group=dp_group)
+            ref[k] = gr / dp
+    del model
+
+    model, _ = _build("ref", None)
+    names = {id(p): k for k, p in model.named_parameters()}
+    n_stages, mine = _stage_layout(schedule, pp, pp_rank)
+    per = N_LAYERS // n_stages
+    stages = []
+    for s in mine:
+        mod = DDP(RefStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1),
+                  process_group=dp_group)
+        stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
+    cls = getattr(pipelining, schedule)
+    arg = stages[0] if schedule == "Schedule1F1B" else stages
+    sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn,
+                                        config=fxoverlap.OverlapConfig(compiler="eager"))
+    has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    sched.step(*((x,) if has_first else ()), **(dict(target=y, losses=[]) if has_last else {}))
+    worst = scale = 0.0
+    missing, count = [], 0
+    for st in stages:
+        for p in st.submod.parameters():
+            k = names[id(p)]
+            if (ref.get(k) is None) != (p.grad is None):
+                missing.append(k)
+                continue
+            count += 1
+            worst = max(worst, (p.grad.double() - ref[k].double()).abs().max().item())
+            scale = max(scale, ref[k].double().abs().max().item())
+    return {"rank": rank, "missing": missing, "n_grads": count, "max_abs_diff": worst, "max_abs_ref": scale,
+            "stages": {i: len(v) for i, v in sched.fxoverlap_stages.items()},
+            "merged_steps": getattr(sched, "fxoverlap_merged_steps", None),
+            "overlap_steps": getattr(sched, "fxoverlap_overlap_steps", None)}
