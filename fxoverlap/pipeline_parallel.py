@@ -364,7 +364,7 @@ def _schedule_class(cls: type) -> type:
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):
         self._fxoverlap_step_args = {"return_outputs": return_outputs, "loss_kwargs": loss_kwargs}
-        for st in self._stages:
+        for st in getattr(self, "_stages", None) or [self._stage]:  # multi- or single-stage schedules
             st._fxoverlap.backwards = 0
         try:
             return cls._step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
