@@ -20,16 +20,22 @@ from fxoverlap.testing import RankError, run_distributed
 import pp_cases
 
 
-def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: bool, merged: bool = True) -> None:
+def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: bool, merged: bool | None = True,
+           bitwise: bool = True) -> None:
     assert any("losses" in r for r in results)
     for r in results:
         where = f"rank {r['rank']} stages {r['stages']}"
         assert r["schedule_type"] == schedule and r["is_subclass"], where
         assert not r["missing"], (where, r["missing"])
         assert r["n_grads"] > 0, where
-        assert r["grad_bitwise"], (where, r["grad_max_abs_diff"], r["grad_max_abs_ref"])
+        if bitwise:
+            assert r["grad_bitwise"], (where, r["grad_max_abs_diff"], r["grad_max_abs_ref"])
+        else:  # fp32: each parameter's gradient within 1e-6 relative (L2)
+            assert r["grad_rel_l2"] <= 1e-6, (where, r["grad_rel_l2"])
         if "losses" in r:
-            assert r["loss_bitwise"], (where, r["losses"], r["ref_losses"])
+            assert r["loss_bitwise"] or (not bitwise and all(
+                abs(a - b) <= 1e-6 * abs(b) for a, b in zip(r["losses"], r["ref_losses"]))), \
+                (where, r["losses"], r["ref_losses"])
             assert len(r["losses"]) == 4
         # every local stage ran its F steps through fxoverlap, with fxoverlap stages per layer
         assert set(r["fxoverlap_stages"]) == set(r["stages"]) and len(r["stages"]) == n_stages_per_rank, where
@@ -143,3 +149,13 @@ def test_pp2_dp2_ddp_stage_modules(schedule):
         assert not r["missing"] and r["n_grads"] > 0, r
         assert r["max_abs_diff"] <= 1e-6 * r["max_abs_ref"], r
         assert all(n > 0 for n in r["stages"].values()), r
+
+
+def test_pp2_ep2_hf_qwen3_moe():
+    """Hugging Face Qwen3-MoE after fxoverlap.expert_parallel, split into 4 stage modules that
+    compute positions, mask and rotary embeddings as the model's forward does (pp_cases.HFStage),
+    under DualPipeV on PP 2 x EP 2. Not bitwise: the backend's HF graphs differ from HF eager
+    by a few fp32 roundings without PP too (test_hf_models.py: <= 4e-7); measured here
+    <= 5.5e-7 per parameter (relative L2), losses bitwise."""
+    results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", "hf", 2, world_size=4)
+    _check(results, "ScheduleDualPipeV", 2, overlap=True, bitwise=False)

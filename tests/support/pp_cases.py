@@ -137,6 +137,48 @@ def _titan_stage(model, n_stages: int, s: int) -> nn.Module:
     return _split_module(model, names[s])
 
 
+class HFStage(nn.Module):
+    """A pipeline stage of a Hugging Face causal LM (Qwen3-MoE's layout): embedding (first),
+    its decoder layers in a ModuleDict under their original indices, norm + lm_head (last);
+    each stage computes the positions, mask and rotary embeddings as the model's forward does."""
+
+    def __init__(self, lm, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        inner = lm.model
+        self.config, self.first, self.last = inner.config, first, last
+        if first:
+            self.embed_tokens = inner.embed_tokens
+        self.rotary_emb = inner.rotary_emb
+        self.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layer_ids})
+        if last:
+            self.norm, self.lm_head = inner.norm, lm.lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.first:
+            h = self.embed_tokens(h)
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                                  position_ids=position_ids)
+        position_embeddings = self.rotary_emb(h, position_ids=position_ids)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        return self.lm_head(self.norm(h)) if self.last else h
+
+
+def hf_next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def _build_hf(ep_group):
+    """Hugging Face Qwen3-MoE, tiny (hf_cases.py), N_LAYERS layers, after fxoverlap.expert_parallel."""
+    import hf_cases
+
+    model = hf_cases.build("qwen3_moe", num_hidden_layers=N_LAYERS).train()
+    return fxoverlap.expert_parallel(model, ep_group), hf_cases.VOCAB
+
+
 def _stage_layout(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]:
     """(number of stages, this rank's stage indices) as the schedule places them."""
     if schedule in ("Schedule1F1B", "ScheduleGPipe"):
@@ -164,16 +206,18 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     if titan and ep != 1:
         raise ValueError("the torchtitan case runs at EP 1 (torchtitan's EP makes DTensor parameters, "
                          "which the per-stage backend refuses)")
-    model, vocab = _build_titan() if titan else _build(kind, ep_group)
-    lossf = titan_next_token_loss if titan else loss_fn
+    hf = kind == "hf"
+    model, vocab = _build_titan() if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
+    lossf = titan_next_token_loss if titan else hf_next_token_loss if hf else loss_fn
     lkw = {"weight": loss_weight} if loss_weight != 1.0 else {}  # step(loss_kwargs=...)
     x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
-    y = x.clone() if titan else torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    y = x.clone() if titan or hf else torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
 
     # the reference: the unpipelined model, eager, as pipelining scales the gradients
     ref_losses = []
     for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
-        loss = lossf(model(xi), yi, **lkw)
+        out = model(xi)
+        loss = lossf(out.logits if hf else out, yi, **lkw)
         loss.backward()
         ref_losses.append(loss.detach())
     for p in model.parameters():
@@ -182,10 +226,10 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     del model
 
-    model, _ = _build_titan() if titan else _build(kind, ep_group)
+    model, _ = _build_titan() if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
     n_stages, mine = _stage_layout(schedule, pp, pp_rank)
     per = N_LAYERS // n_stages
-    make = {"RefStage": RefStage, "NoListStage": NoListStage}[stage_cls]
+    make = HFStage if hf else {"RefStage": RefStage, "NoListStage": NoListStage}[stage_cls]
     stages, names = [], {}
     for s in mine:
         if titan:  # a deep copy: its parameters keep the whole model's names
@@ -236,7 +280,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
 
     out: dict = {"rank": rank, "stages": mine, "schedule_type": type(sched).__name__,
                  "is_subclass": isinstance(sched, cls)}
-    worst, scale, bitwise, missing, count = 0.0, 0.0, True, [], 0
+    worst, scale, bitwise, missing, count, rel = 0.0, 0.0, True, [], 0, 0.0
     for st in stages:
         for p in st.submod.parameters():
             k = names[id(p)]
@@ -247,10 +291,11 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
             if r is None:
                 continue
             count += 1
+            rel = max(rel, ((p.grad.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item())
             worst = max(worst, (p.grad.double() - r.double()).abs().max().item())
             scale = max(scale, r.double().abs().max().item())
             bitwise &= torch.equal(p.grad, r)
-    out.update(grad_max_abs_diff=worst, grad_max_abs_ref=scale, grad_bitwise=bitwise, missing=missing,
+    out.update(grad_rel_l2=rel, grad_max_abs_diff=worst, grad_max_abs_ref=scale, grad_bitwise=bitwise, missing=missing,
                n_grads=count)
     if has_last:
         out["losses"] = [float(v.detach()) for v in losses]
