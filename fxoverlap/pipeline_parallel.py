@@ -73,9 +73,12 @@ def supported_schedules() -> tuple[type, ...]:
         ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
-    return (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleDualPipeV)
+    return (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble)
 
 
 def _is_multi_stage(cls: type) -> bool:
@@ -402,9 +405,8 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
         name = getattr(schedule_cls, "__name__", repr(schedule_cls))
         raise UnsupportedSchedule(
             f"fxoverlap.pipeline_schedule runs {', '.join(c.__name__ for c in supported)}; got {name}. "
-            f"ZeroBubble schedules whose BACKWARD_WEIGHT must run apart from BACKWARD_INPUT "
-            f"(ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) and custom CSV schedules are not "
-            f"supported yet (docs/pipeline_parallel.md)")
+            f"Other schedules (ScheduleLoopedBFS, subclasses, schedules loaded from CSV) are not supported "
+            f"yet (docs/pipeline_parallel.md)")
     if ep_group is not None and not isinstance(ep_group, dist.ProcessGroup):
         raise PipelineInputError(f"ep_group must be a torch.distributed ProcessGroup or None, got {type(ep_group).__name__}")
     config = config or OverlapConfig()

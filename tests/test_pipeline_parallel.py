@@ -65,10 +65,12 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
     ("ScheduleInterleaved1F1B", "ref"),
     ("ScheduleDualPipeV", "mhc"),
     ("Schedule1F1B", "titan"),
+    ("ScheduleZBVZeroBubble", "ref"),  # with scale_grads=False (the reference's grads not divided)
+    ("ScheduleInterleavedZeroBubble", "ref"),
 ])
 def test_pp2_ep1(schedule, kind):
     # the mHC case passes loss_kwargs to step (a loss weight of 0.5, also in the reference)
-    opts = {"loss_weight": 0.5} if kind == "mhc" else {}
+    opts = {"loss_weight": 0.5} if kind == "mhc" else {"scale_grads": False} if schedule == "ScheduleZBVZeroBubble" else {}
     results = run_distributed(pp_cases.run_case, schedule, kind, 1, opts, world_size=2)
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
     if kind == "ref":  # MoE layers: the all-to-alls are stages of their own
@@ -104,11 +106,14 @@ def test_stage_without_layer_list_raises():
 
 
 def test_unsupported_schedule_raises():
-    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+    from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleLoopedBFS
 
-    for cls in (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, object, "Schedule1F1B"):
+    class MySchedule(ScheduleDualPipeV):  # a subclass may change what the actions mean
+        pass
+
+    for cls in (ScheduleLoopedBFS, MySchedule, object, "Schedule1F1B"):
         with pytest.raises(UnsupportedSchedule, match="Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, "
-                                                      "ScheduleDualPipeV"):
+                                                      "ScheduleDualPipeV, ScheduleInterleavedZeroBubble"):
             fxoverlap.pipeline_schedule(cls, [], 4)
     assert issubclass(UnsupportedSchedule, fxoverlap.FxOverlapError) and issubclass(UnsupportedSchedule, TypeError)
     from torch.distributed.pipelining import Schedule1F1B

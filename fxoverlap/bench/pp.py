@@ -35,7 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 MODES = ("eager", "compile", "fxoverlap", "fxoverlap_seq")
-SCHEDULES = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleDualPipeV")
+SCHEDULES = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleDualPipeV", "ScheduleInterleavedZeroBubble",
+             "ScheduleZBVZeroBubble")
 
 
 class StageModule(nn.Module):
@@ -68,9 +69,9 @@ def stage_indices(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]
     """(number of stages, this PP rank's stages) as the schedule places them."""
     if schedule == "Schedule1F1B":
         return pp, [pp_rank]
-    if schedule == "ScheduleDualPipeV":
+    if schedule in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble"):
         return 2 * pp, [pp_rank, 2 * pp - 1 - pp_rank]
-    if schedule == "ScheduleInterleaved1F1B":
+    if schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
         return 2 * pp, [pp_rank, pp_rank + pp]
     raise SystemExit(f"--schedule must be one of {SCHEDULES}, got {schedule!r}")
 

@@ -183,9 +183,9 @@ def _stage_layout(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]
     """(number of stages, this rank's stage indices) as the schedule places them."""
     if schedule in ("Schedule1F1B", "ScheduleGPipe"):
         return pp, [pp_rank]
-    if schedule == "ScheduleDualPipeV":
+    if schedule in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble"):
         return 2 * pp, [pp_rank, 2 * pp - 1 - pp_rank]
-    if schedule == "ScheduleInterleaved1F1B":
+    if schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
         return 2 * pp, [pp_rank, pp_rank + pp]
     raise ValueError(schedule)
 
@@ -197,6 +197,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
 
     opts = opts or {}
     n_mb, stage_cls, loss_weight = opts.get("n_mb", 4), opts.get("stage_cls", "RefStage"), opts.get("loss_weight", 1.0)
+    scale_grads = opts.get("scale_grads", True)
     config = {"compiler": "eager", **opts.get("config", {})}
 
     torch.manual_seed(0)
@@ -221,7 +222,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
         loss.backward()
         ref_losses.append(loss.detach())
     for p in model.parameters():
-        if p.grad is not None:
+        if p.grad is not None and scale_grads:
             p.grad.div_(n_mb)
     ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     del model
@@ -247,7 +248,8 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     cls = getattr(pipelining, schedule)
     arg = stages[0] if schedule in ("Schedule1F1B", "ScheduleGPipe") else stages
     sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=lossf, ep_group=ep_group,
-                                        config=fxoverlap.OverlapConfig(**config), merge=opts.get("merge", True))
+                                        config=fxoverlap.OverlapConfig(**config), merge=opts.get("merge", True),
+                                        scale_grads=scale_grads)
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
     losses: list = []
