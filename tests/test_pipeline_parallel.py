@@ -164,3 +164,15 @@ def test_pp2_ep2_hf_qwen3_moe():
     <= 5.5e-7 per parameter (relative L2), losses bitwise."""
     results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", "hf", 2, world_size=4)
     _check(results, "ScheduleDualPipeV", 2, overlap=True, bitwise=False)
+
+
+def test_pp2_ep1_graph_break_keeps_autograd():
+    """A graph break before the head: the last stage runs as two fxoverlap graphs, so its
+    backward stays in autograd (the second graph's input is no leaf); the others merge."""
+    results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", "ref", 1, {"stage_cls": "BreakStage"},
+                              world_size=2)
+    _check(results, "ScheduleDualPipeV", 2, overlap=True, merged=None)
+    by_rank = {r["rank"]: r for r in results}
+    assert by_rank[0]["graphs"] == {0: 1, 3: 2}, by_rank[0]["graphs"]
+    assert 0 < by_rank[0]["merged_steps"] < by_rank[0]["overlap_steps"]
+    assert by_rank[1]["merged_steps"] == by_rank[1]["overlap_steps"]

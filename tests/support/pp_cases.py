@@ -59,6 +59,20 @@ class RefStage(nn.Module):
         return h
 
 
+class BreakStage(RefStage):
+    """RefStage with a Dynamo graph break before the head: the last stage runs as two graphs."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            h = self.tok_embeddings(h)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.last:
+            torch._dynamo.graph_break()
+            h = self.output(self.norm(h))
+        return h
+
+
 class NoListStage(nn.Module):
     """A stage module whose MoE layers are plain attributes: no layer list to find."""
 
@@ -230,7 +244,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     model, _ = _build_titan() if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
     n_stages, mine = _stage_layout(schedule, pp, pp_rank)
     per = N_LAYERS // n_stages
-    make = HFStage if hf else {"RefStage": RefStage, "NoListStage": NoListStage}[stage_cls]
+    make = HFStage if hf else {"RefStage": RefStage, "NoListStage": NoListStage, "BreakStage": BreakStage}[stage_cls]
     stages, names = [], {}
     for s in mine:
         if titan:  # a deep copy: its parameters keep the whole model's names
@@ -308,6 +322,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     out["merged_steps"] = getattr(sched, "fxoverlap_merged_steps", None)
     out["merged_calls"] = [c for c in merged_calls if c is not None]
     out["hook_calls"] = len(hook_calls)
+    out["graphs"] = {st.stage_index: len(st._fxoverlap.steps) for st in stages}
     out["fxoverlap_stages"] = {i: [(str(s.kind), str(s.direction), s.layer) for s in v]
                                for i, v in sched.fxoverlap_stages.items()}
     return out
