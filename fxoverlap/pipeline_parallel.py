@@ -144,6 +144,9 @@ class _StageCompiler:
 def _install(stage, compiler: _StageCompiler) -> None:
     if getattr(stage, "_fxoverlap", None) is not None:
         raise PipelineError(f"pipeline stage {stage.stage_index} is already run by another fxoverlap schedule")
+    if getattr(stage, "dw_builder", None) is not None:
+        raise PipelineError(f"pipeline stage {stage.stage_index} has a dw_builder of its own; fxoverlap runs the "
+                            f"stage's whole backward itself and uses that slot (docs/pipeline_parallel.md)")
     stage._fxoverlap = compiler
     # the one place pipelining calls the stage module (forward_one_chunk); instance-local
     stage.forward_maybe_with_nosync = compiler.forward
