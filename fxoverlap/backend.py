@@ -97,7 +97,7 @@ from fxoverlap.ir.meta import CHECKPOINT_KEY
 from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
 from fxoverlap.ir.meta import LIST_KEY
 from fxoverlap.pipeline import build_program, build_stages, make_runner
-from fxoverlap.ir.stage import Stage
+from fxoverlap.ir.stage import Stage, StreamKind
 
 __all__ = [
     "FALLBACK_ERRORS",
@@ -132,6 +132,27 @@ class BackendError(FxOverlapError, RuntimeError):
 
 
 _last: CompiledStep | None = None
+# A merged step (pipeline parallelism): the generator of another program's backward
+# (CompiledStep.backward_in_turns) that the next compiled forward runs in turns with its
+# own chunks; set by run_in_turns, taken by the forward that runs.
+_in_turns = None
+
+
+def run_in_turns(other, forward):
+    """Call ``forward()`` (which runs a compiled step's forward) with the generator ``other``
+    run in turns with that forward's chunks; what of ``other`` is left when ``forward``
+    returns (it compiled anew, or ran no compiled step) runs after it. Returns ``forward()``'s
+    result."""
+    global _in_turns
+    _in_turns = other
+    try:
+        out = forward()
+    finally:
+        left, _in_turns = _in_turns, None
+    if left is not None:
+        for _ in left:
+            pass
+    return out
 _graphed_steps: weakref.WeakSet = weakref.WeakSet()  # compiled steps holding CUDA graphs
 
 
@@ -370,12 +391,15 @@ class _GraphStep(nn.Module):
 
 class _Run:
     """One call of a :class:`CompiledStep`: its runner and state, and which backward
-    segment runs next (autograd runs them in order, each from its own node)."""
+    segment runs next (autograd runs them in order, each from its own node). ``args``:
+    the call's graph inputs, for a backward run outside autograd
+    (:meth:`CompiledStep.backward_in_turns`)."""
 
-    __slots__ = ("step", "runner", "state", "next_segment")
+    __slots__ = ("step", "runner", "state", "next_segment", "args", "grads", "__weakref__")
 
     def __init__(self, step: CompiledStep):
-        self.step, self.runner, self.state, self.next_segment = step, None, None, 0
+        self.step, self.runner, self.state, self.next_segment, self.args = step, None, None, 0, ()
+        self.grads: dict[int, torch.Tensor] = {}
 
     def backward_segment(self, k: int, grad_outputs) -> dict[int, torch.Tensor]:
         """Run backward segment ``k``; the gradients it hands out, by graph input index."""
@@ -389,6 +413,7 @@ class _Run:
         if self.next_segment == len(self.step._segments):
             self.state.stores.clear()
             self.state = None
+            self.args = ()
         return grads
 
 
@@ -401,6 +426,8 @@ class _StepFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run: _Run, token: torch.Tensor | None, *args):
+        if run.step.keep_args:
+            run.args = args
         outs = run.step._run_forward(run, args)
         ctx.run, ctx.token_device = run, None if token is None else token.device
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, run.step._differentiable) if not d))
@@ -466,6 +493,9 @@ class CompiledStep:
     def __init__(self, gm: torch.fx.GraphModule, capture_: Capture, stages: list[Stage],
                  program: torch.fx.GraphModule, wrapper: _GraphStep, config: OverlapConfig, device: torch.device):
         self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
+        # keep each call's graph inputs until its backward (backward_in_turns needs them; pipeline
+        # parallelism sets it, where the stage's inputs are held until its backward anyway)
+        self.keep_args = False
         self._graphs = GraphCache(config.cuda_graphs)
         graphs = self._graphs.get(program, stages, capture_, device)
         make = functools.partial(make_runner, program, stages, capture_, device, config, grads=None)
@@ -535,12 +565,48 @@ class CompiledStep:
                 self._plain = self._make_plain()
             runner = self._plain
         state = runner.start(static, [[args[i] for i in self._input_src]], tangents=[()])
-        runner.execute(state, "forward")
+        global _in_turns
+        other, _in_turns = _in_turns, None
+        if other is None:
+            runner.execute(state, "forward")
+        else:  # a merged step: this forward and another program's backward, in turns
+            for span in runner.chunks("forward"):
+                runner.execute(state, span)
+                next(other, None)
+            for _ in other:
+                pass
+            if runner.streams:
+                runner.streams[StreamKind.COMP].wait_stream(runner.streams[StreamKind.COMM])
         if runner.cuda_graphs is not None:
             self._awaiting_backward = weakref.ref(state)
         run.runner, run.state = runner, state
         outs = state.outputs[0]
         return tuple(outs.pop(o) for o in self.capture.outputs)
+
+    def backward_in_turns(self, run: _Run, grad_outputs):
+        """The backward of call ``run`` outside autograd, as a generator that stops after each
+        of its comm-stream stages (:meth:`ProgramRunner.chunks`), so another program's
+        forward can run in between (:func:`run_in_turns`). ``grad_outputs``: one per
+        output of the call (as autograd would pass them). When exhausted, ``run.grads``
+        holds the gradients by graph input index, and the call's autograd node is spent
+        (a later backward through it raises)."""
+        if run.state is None or run.next_segment != 0:
+            raise BackendError("fxoverlap backend: backward through a compiled step ran twice")
+        runner, state = run.runner, run.state
+        if self._awaiting_backward is not None and self._awaiting_backward() is state:
+            self._awaiting_backward = None
+        run.next_segment = len(self._segments)
+        runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
+        for span in runner.chunks("backward"):
+            runner.execute(state, span)
+            yield
+        handed = state.outputs[0]
+        run.grads = {i: handed.pop(v) for i, v in self._grad_of.items() if v in handed}
+        state.stores.clear()
+        run.state, run.args = None, ()
+
+    def draws_random_numbers(self) -> bool:
+        return any(s.draws for s in self.stages)
 
     def _run_backward(self, run: _Run, k: int, grad_outputs) -> dict[int, torch.Tensor]:
         runner, state = run.runner, run.state

@@ -252,6 +252,23 @@ class ProgramRunner:
         if part != "forward" and hi == len(self._bound) and self.record_memory:
             state.memory_trace.append(("end", -1, live_bytes(state.stores, state.static_keys)))
 
+    def chunks(self, part: str) -> list[tuple[int, int]]:
+        """The ``"forward"`` or ``"backward"`` part cut right after each call of a stage on the
+        comm stream: spans for :meth:`execute`. Running two programs' chunks in turns (a
+        merged F(i) ⊗ B(j) step of pipeline parallelism) puts each one's compute under the
+        other's communication."""
+        split = len(self._bound) if self.backward_start is None else self.backward_start
+        lo, hi = (0, split) if part == "forward" else (split, len(self._bound))
+        out, start = [], lo
+        for i in range(lo, hi):
+            fn, args = self._bound[i]
+            if fn == self.call_stage and args[1].stream is StreamKind.COMM:
+                out.append((start, i + 1))
+                start = i + 1
+        if start < hi or not out:
+            out.append((start, hi))
+        return out
+
     def grad_segments(self) -> list[tuple[tuple[int, int], tuple[str, ...]]]:
         """The backward part cut right after each node that hands out gradients: per
         segment, its span for :meth:`execute` and the gradient values it hands out. A

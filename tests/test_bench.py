@@ -153,3 +153,25 @@ def test_bench_cpu_two_ranks(tmp_path):
         row = next(line for line in table.splitlines() if line.startswith(f"| smoke | {mode} |"))
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert cells[5] == f"{r['speedups']['eager'][mode]:.3f}×" and cells[6] == f"{r['speedups']['compile'][mode]:.3f}×"
+
+
+def test_pp_bench_cpu_two_ranks(tmp_path):
+    """The PP x EP mode (fxoverlap.bench.pp) on 2 gloo ranks: PP 2 x EP 1, DualPipeV."""
+    out = tmp_path / "pp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fxoverlap.bench.pp", "--pp", "2", "--schedule", "ScheduleDualPipeV", "--tiny", "--device", "cpu",
+           "--microbatches", "4", "--modes", "eager,fxoverlap", "--warmup", "1", "--iters", "1", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "PP 2 x EP 1 (2 ranks), ScheduleDualPipeV" in proc.stdout
+    r = json.loads((out / "pp_bench.json").read_text())
+    assert (r["pp"], r["ep"], r["world"]) == (2, 1, 2) and list(r["modes"]) == ["eager", "fxoverlap"]
+    for mode in ("eager", "fxoverlap"):
+        assert r["modes"][mode]["step_ms"] > 0 and r["modes"][mode]["tokens_per_s"] > 0
+    fx = r["modes"]["fxoverlap"]["ranks"]
+    # the same weights and data: the first step's losses agree with eager's (rank 0 holds the last stage)
+    assert fx[0]["first_losses"] and len(fx[0]["first_losses"]) == 4
+    assert fx[0]["max_loss_diff_vs_eager"] <= 1e-6
+    assert all(len(x["fxoverlap_stages"]) == 2 and x["overlap_f_b_steps"] > 0 for x in fx)
+    assert all(x["merged_steps"] == x["overlap_f_b_steps"] for x in fx)

@@ -1,0 +1,448 @@
+"""Pipeline parallelism with the overlap inside: ``fxoverlap.pipeline_schedule``.
+
+``torch.distributed.pipelining`` owns the pipeline: its schedule decides which F/B step of
+which stage and microbatch runs when, its ``PipelineStage`` owns the P2P sends and receives
+of activations and gradients, their buffers, the loss (``loss_fn(output, target)``) and the
+gradient scaling (``scale_grads``). fxoverlap owns what runs inside each F and B: each
+stage module is compiled by fxoverlap's ``torch.compile`` backend on its first step (Dynamo
+graph -> capture -> tag -> side -> split -> the stage program), so a stage's F runs the
+forward part of its fxoverlap program inside one autograd.Function and its B (pipelining's
+``torch.autograd.backward`` on the stage's outputs with the received gradients) runs the
+backward part of it, handing back the gradients of the stage's input activations, which
+pipelining sends on.
+
+What is hooked, and where (``docs/pipeline_parallel.md``):
+
+- every schedule: each local ``PipelineStage``'s ``forward_maybe_with_nosync`` (the one
+  place pipelining calls ``self.submod(...)``) is replaced, on that stage instance only, by a
+  call of the fxoverlap-compiled stage module. ``stage.submod`` stays the user's module, so
+  ``parameters()``, ``scale_grads`` and DDP/FSDP checks see what they always see, and
+  pipelining's own torch.compile check (DualPipeV refuses compiled submodules) holds;
+- multi-stage schedules (``_PipelineScheduleRuntime``: Interleaved1F1B, DualPipeV): an
+  ``OVERLAP_F_B`` custom function (``register_custom_function``) runs the merged step
+  F(i) ⊗ B(j): F(i)'s forward program and B(j)'s backward program in turns, each stopping
+  after each of its comm stages, B(j) outside autograd (:func:`_merged_backward`), with
+  pipelining's receives, loss and V-schedule hand-offs as the runtime's own
+  ``_perform_action`` does them; F then B through autograd where B cannot leave it exactly;
+- ZeroBubble splits (``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT``, which DualPipeV emits):
+  fxoverlap's backward is one autograd node that hands out input and weight gradients
+  together, which ``torch.autograd.grad(inputs=...)`` cannot split. Each stage gets
+  pipelining's own ``dw_builder`` slot: ``BACKWARD_INPUT`` runs the whole backward (weight
+  gradients included) and ``BACKWARD_WEIGHT`` has nothing left to do. Gradients are exact;
+  the weight-gradient delay of a ZeroBubble schedule is not kept.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxoverlap.config import OverlapConfig
+from fxoverlap.ir.errors import FxOverlapError
+from fxoverlap.ir.stage import Stage
+
+__all__ = ["PipelineError", "PipelineInputError", "UnsupportedSchedule", "StageLayersNotFound", "pipeline_schedule",
+           "supported_schedules"]
+
+
+class PipelineError(FxOverlapError, RuntimeError):
+    """fxoverlap cannot run a pipeline stage's F/B as asked; the message says why."""
+
+
+class UnsupportedSchedule(FxOverlapError, TypeError):
+    """A schedule class :func:`pipeline_schedule` does not run."""
+
+
+class PipelineInputError(FxOverlapError, TypeError):
+    """An argument of :func:`pipeline_schedule` is not what it takes (the message says what is)."""
+
+
+class StageLayersNotFound(PipelineError):
+    """A stage module runs all-to-alls, but no decoder-layer list holding them was found."""
+
+
+def supported_schedules() -> tuple[type, ...]:
+    """The ``torch.distributed.pipelining`` schedule classes :func:`pipeline_schedule` runs."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    return (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble)
+
+
+def _is_multi_stage(cls: type) -> bool:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    return issubclass(cls, PipelineScheduleMulti)
+
+
+class _StageCompiler:
+    """One local ``PipelineStage``: its module compiled by fxoverlap's backend (on the first
+    call, as torch.compile does), the compiled steps it built, and the stage's forward."""
+
+    def __init__(self, stage, config: OverlapConfig, registry: dict[int, list[Stage]]):
+        self.stage = stage
+        self.config = config
+        self.registry = registry
+        self.steps: list = []  # backend.CompiledStep, one per Dynamo graph of the stage module
+        self.forward_calls = 0  # F steps run (each a call of the compiled stage module)
+        self.backwards = 0  # backward_one_chunk calls in this step
+        self.n_microbatches = 0  # set by pipeline_schedule
+        self.module = stage.submod
+        self.compiled = torch.compile(stage.submod, backend=self._backend, dynamic=False, fullgraph=False)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
+        from fxoverlap import backend as fxb
+
+        where = f"pipeline stage {self.stage.stage_index} ({type(self.module).__name__})"
+        if not torch.is_grad_enabled():  # eval(): nothing to overlap with
+            return gm.forward
+        try:
+            step = fxb.compile_step(gm, example_inputs, self.config)
+        except (fxb._Unsupported, *fxb.FALLBACK_ERRORS) as e:
+            # no silent fallback: the user asked for fxoverlap on this stage
+            raise PipelineError(f"fxoverlap cannot compile {where}: {type(e).__name__}: {e}") from e
+        if step.capture.num_layers == 0 and fxb._has_all_to_all(gm):
+            raise StageLayersNotFound(
+                f"{where}: the stage module runs all-to-alls but fxoverlap found no decoder-layer list "
+                f"holding them; a stage module's decoder layers must be the entries of one nn.ModuleList or "
+                f"nn.ModuleDict (torchtitan's PP split keeps `layers` as a ModuleDict with the original "
+                f"names), or name the container with OverlapConfig(layer_container='...')")
+        step.keep_args = True  # for OVERLAP_F_B's backward outside autograd (backward_in_turns)
+        self.steps.append(step)
+        self.registry.setdefault(self.stage.stage_index, []).extend(step.stages)
+        return step
+
+    def forward(self, *args, **kwargs):
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        sub = self.stage.submod
+        self.forward_calls += 1
+        try:
+            if isinstance(sub, nn.parallel.DistributedDataParallel):
+                with sub.no_sync():
+                    return self.compiled(*args, **kwargs)
+            return self.compiled(*args, **kwargs)
+        except BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, FxOverlapError):
+                raise inner from e
+            raise
+
+
+def _install(stage, compiler: _StageCompiler) -> None:
+    if getattr(stage, "_fxoverlap", None) is not None:
+        raise PipelineError(f"pipeline stage {stage.stage_index} is already run by another fxoverlap schedule")
+    if getattr(stage, "dw_builder", None) is not None:
+        raise PipelineError(f"pipeline stage {stage.stage_index} has a dw_builder of its own; fxoverlap runs the "
+                            f"stage's whole backward itself and uses that slot (docs/pipeline_parallel.md)")
+    stage._fxoverlap = compiler
+    # the one place pipelining calls the stage module (forward_one_chunk); instance-local
+    stage.forward_maybe_with_nosync = compiler.forward
+    # ZeroBubble: BACKWARD_INPUT runs the whole backward, BACKWARD_WEIGHT nothing (module doc)
+    stage.dw_builder = lambda: (lambda: None)
+    # ... so the backward that completes the step's gradients is the last microbatch's
+    # BACKWARD_INPUT, not its BACKWARD_WEIGHT (which pipelining flags as the last): DDP's
+    # reduction (last_backward) must come with that BACKWARD_INPUT
+    original = stage.backward_one_chunk
+
+    def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        compiler.backwards += 1
+        if not full_backward and compiler.backwards == compiler.n_microbatches:
+            last_backward = True
+        return original(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    stage.backward_one_chunk = backward_one_chunk
+
+
+def _wait_recv(schedule, stages, sub) -> None:
+    """Wait for what ``sub`` (a forward or backward action) receives, as the runtime does."""
+    from torch.distributed.pipelining.schedules import FORWARD, _wait_batch_p2p
+
+    mb, idx = sub.microbatch_index, sub.stage_index
+    stage = stages[idx]
+    if sub.computation_type == FORWARD:
+        if not stage.is_first and idx - 1 not in stages:
+            if (idx, mb) not in schedule.fwd_recv_ops:
+                raise PipelineError(f"computing {sub} before receiving its input")
+            _wait_batch_p2p(schedule.fwd_recv_ops.pop((idx, mb)))
+    elif not stage.is_last and idx + 1 not in stages:
+        if (idx, mb) not in schedule.bwd_recv_ops:
+            raise PipelineError(f"computing {sub} before receiving its gradients")
+        _wait_batch_p2p(schedule.bwd_recv_ops.pop((idx, mb)))
+
+
+def _forward(schedule, stages, sub, ctx) -> None:
+    """A FORWARD action after its receive: forward, loss, local hand-off."""
+    mb, idx = sub.microbatch_index, sub.stage_index
+    stage = stages[idx]
+    args = schedule._fxoverlap_step_args
+    output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=args["return_outputs"])
+    schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb, args["loss_kwargs"])
+    if idx + 1 in stages:
+        stages[idx + 1].set_local_fwd_input(output, mb)
+
+
+def _backward_counter(schedule, sub) -> bool:
+    """Count a FULL_BACKWARD as the runtime does; whether it is the stage's last backward."""
+    from torch.distributed.pipelining.schedules import FULL_BACKWARD
+
+    if sub.computation_type != FULL_BACKWARD:
+        return False
+    schedule.backward_counter[sub.stage_index] += 1
+    return schedule.backward_counter[sub.stage_index] == schedule._n_microbatches
+
+
+def _backward(schedule, stages, sub) -> None:
+    """A FULL_BACKWARD / BACKWARD_INPUT action after its receive, through autograd."""
+    from torch.distributed.pipelining.schedules import FULL_BACKWARD
+
+    mb, idx = sub.microbatch_index, sub.stage_index
+    stage = stages[idx]
+    loss = schedule._maybe_get_loss(stage, mb)
+    last = _backward_counter(schedule, sub)
+    stage.backward_one_chunk(mb, loss=loss, full_backward=sub.computation_type == FULL_BACKWARD, last_backward=last)
+    if idx - 1 in stages:
+        stages[idx - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+
+def _reaches_only(loss: torch.Tensor, node) -> bool:
+    """Whether every path of ``loss``'s autograd graph back to a leaf goes through ``node``."""
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn is node or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__ == "AccumulateGrad":
+            return False
+        todo.extend(nf for nf, _ in fn.next_functions)
+    return True
+
+
+def _no_hooks(t: torch.Tensor) -> bool:
+    return not getattr(t, "_post_accumulate_grad_hooks", None) and not getattr(t, "_backward_hooks", None)
+
+
+def _merged_backward(schedule, stages, sub):
+    """B(j) of a merged step, run outside autograd in turns with F(i): ``(generator, finish)``,
+    or ``None`` when this backward cannot be taken out of autograd (then F and B run one
+    after the other, through autograd): the stage's outputs are not all outputs of one
+    fxoverlap call (graph breaks, eager code after the graph), a DDP/FSDP module or a
+    gradient hook that autograd must run, a loss that reaches parameters outside the
+    stage program, random ops (their draws would interleave)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT
+
+    from fxoverlap import backend as fxb
+
+    mb, idx = sub.microbatch_index, sub.stage_index
+    stage = stages[idx]
+    if not stage.has_backward or isinstance(stage.submod, (nn.parallel.DistributedDataParallel, FSDPModule)):
+        return None
+    if mb not in stage.fwd_cache:
+        return None
+    stage_output, input_values = stage.fwd_cache[mb]
+    outs = [t for t in stage_output if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs or len(outs) != len(stage_output):
+        return None
+    node = outs[0].grad_fn
+    run = getattr(node, "run", None)
+    if not isinstance(run, fxb._Run) or run.state is None or any(t.grad_fn is not node for t in outs):
+        return None
+    step = run.step
+    # (a graph break shows here: the last piece's inputs include an activation that is no leaf)
+    if not run.args or step.draws_random_numbers():
+        return None
+    leaves = [t for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
+    if any(not t.is_leaf or not _no_hooks(t) for t in leaves):
+        return None
+    if any(i not in {t.output_nr for t in outs} for i in step._tangent_pos):
+        return None
+    if stage.is_last:
+        loss = schedule._maybe_get_loss(stage, mb)
+        if loss is None or not _reaches_only(loss, node):
+            return None
+        grads = torch.autograd.grad(loss, outs, allow_unused=True)
+    else:
+        grads = stage._retrieve_recv_grads(mb)
+        if len(grads) != len(outs):
+            return None
+    grad_outputs: list = [None] * len(step.capture.outputs)
+    for t, g in zip(outs, grads):
+        grad_outputs[t.output_nr] = torch.zeros_like(t) if g is None else g
+    del stage.fwd_cache[mb]
+    last = _backward_counter(schedule, sub)
+    del last  # DDP/FSDP (what last_backward is for) take the autograd path
+
+    args = run.args  # the generator drops them from the run when done
+
+    def finish() -> None:
+        for i, g in run.grads.items():  # as AccumulateGrad: the first gradient is taken, later ones added
+            t = args[i]
+            if not (isinstance(t, torch.Tensor) and t.requires_grad):
+                continue
+            if t.grad is None:
+                t.grad = g
+            else:
+                t.grad += g
+        grad_inputs = []
+        for v in input_values:  # as pipelining's stage_backward
+            if isinstance(v, torch.Tensor):
+                grad_inputs.append(v.grad)
+                v.grad = None
+            else:
+                grad_inputs.append(None)
+        stage.bwd_cache[mb] = tuple(grad_inputs)[: len(stage._stage_meta.inputs)]
+        if sub.computation_type == BACKWARD_INPUT:
+            stage.dw_runner[mb] = stage.dw_builder()
+        if stage.is_last and not stage.is_first:
+            for t in stage_output:
+                if not t._is_view():
+                    t.detach_()
+        if idx - 1 in stages:
+            stages[idx - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+    return step.backward_in_turns(run, grad_outputs), finish
+
+
+def _overlap_f_b(schedule, action, ctx) -> None:
+    """The ``OVERLAP_F_B`` step F(i) ⊗ B(j): the forward program of one stage and the
+    backward program of another (or the same) run in turns, each stopping after each of
+    its comm stages, so one's compute runs under the other's all-to-alls (on CUDA, each
+    program's comm stream). Receives, loss and local hand-offs as ``_PipelineScheduleRuntime``
+    runs a FORWARD and a FULL_BACKWARD / BACKWARD_INPUT action. Where B cannot be taken out
+    of autograd (:func:`_merged_backward`), F then B."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, FORWARD, FULL_BACKWARD
+
+    from fxoverlap import backend as fxb
+
+    schedule.fxoverlap_overlap_steps += 1
+    if action.sub_actions is None:
+        raise PipelineError(f"OVERLAP_F_B action {action} carries no sub_actions")
+    stages = {s.stage_index: s for s in schedule._stages}
+    subs = list(action.sub_actions)
+    for sub in subs:
+        if sub.computation_type not in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT):
+            raise PipelineError(f"OVERLAP_F_B sub-action {sub} is neither a forward nor a backward")
+    kinds = [s.computation_type == FORWARD for s in subs]
+    if len(subs) == 2 and sorted(kinds) == [False, True] and schedule.fxoverlap_merge:
+        f, b = (subs[0], subs[1]) if kinds[0] else (subs[1], subs[0])
+        _wait_recv(schedule, stages, f)
+        _wait_recv(schedule, stages, b)
+        merged = _merged_backward(schedule, stages, b)
+        if merged is not None:
+            gen, finish = merged
+            fxb.run_in_turns(gen, lambda: _forward(schedule, stages, f, ctx))
+            finish()
+            schedule.fxoverlap_merged_steps += 1
+            return
+        if subs[0] is f:
+            _forward(schedule, stages, f, ctx)
+            _backward(schedule, stages, b)
+        else:
+            _backward(schedule, stages, b)
+            _forward(schedule, stages, f, ctx)
+        return
+    for sub in subs:
+        _wait_recv(schedule, stages, sub)
+        if sub.computation_type == FORWARD:
+            _forward(schedule, stages, sub, ctx)
+        else:
+            _backward(schedule, stages, sub)
+
+
+@functools.cache
+def _schedule_class(cls: type) -> type:
+    """``cls`` with its step's ``return_outputs`` and ``loss_kwargs`` kept where the
+    ``OVERLAP_F_B`` custom function reads them (its ``ctx`` does not carry them)."""
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+                           return_outputs=True, loss_kwargs=None):
+        self._fxoverlap_step_args = {"return_outputs": return_outputs, "loss_kwargs": loss_kwargs}
+        for st in getattr(self, "_stages", None) or [self._stage]:  # multi- or single-stage schedules
+            st._fxoverlap.backwards = 0
+        try:
+            return cls._step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                          loss_kwargs=loss_kwargs)
+        finally:
+            self._fxoverlap_step_args = None
+
+    return type(cls.__name__, (cls,), {
+        "_step_microbatches": _step_microbatches,
+        "__doc__": f"{cls.__name__} whose F/B steps run as fxoverlap programs (fxoverlap.pipeline_schedule).",
+        "__module__": __name__,
+        "__qualname__": f"pipeline_schedule.{cls.__name__}",
+    })
+
+
+def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_fn: Callable | None = None,
+                      ep_group: dist.ProcessGroup | None = None, config: OverlapConfig | None = None,
+                      merge: bool = True, **schedule_kwargs: Any):
+    """A ``torch.distributed.pipelining`` schedule whose F and B steps run as fxoverlap programs.
+
+    ``schedule_cls`` is the pipelining schedule class, ``stages`` what it takes (one
+    ``PipelineStage`` for single-stage schedules such as ``Schedule1F1B``, a list for
+    multi-stage ones such as ``ScheduleDualPipeV``), ``n_microbatches``, ``loss_fn(output,
+    target)`` and ``schedule_kwargs`` (``scale_grads``, chunk specs, ...) are passed on to
+    it. ``merge=False`` runs each ``OVERLAP_F_B`` as F then B (for comparison). ``ep_group`` is the expert-parallel group of the stage modules' MoE layers (checked;
+    the layers hold it themselves); ``config`` the :class:`OverlapConfig` of every stage.
+
+    Returns an instance of a subclass of ``schedule_cls`` (of the same name; it keeps
+    ``step``'s ``return_outputs`` and ``loss_kwargs`` for the ``OVERLAP_F_B`` function): ``schedule.step(x, target=y, losses=losses)`` as
+    with pipelining. After the first step, ``schedule.fxoverlap_stages`` maps each local
+    pipeline stage's index to its fxoverlap ``Stage`` objects.
+    """
+    supported = supported_schedules()
+    if not isinstance(schedule_cls, type) or schedule_cls not in supported:
+        name = getattr(schedule_cls, "__name__", repr(schedule_cls))
+        raise UnsupportedSchedule(
+            f"fxoverlap.pipeline_schedule runs {', '.join(c.__name__ for c in supported)}; got {name}. "
+            f"Other schedules (ScheduleLoopedBFS, subclasses, schedules loaded from CSV) are not supported "
+            f"yet (docs/pipeline_parallel.md)")
+    if ep_group is not None and not isinstance(ep_group, dist.ProcessGroup):
+        raise PipelineInputError(f"ep_group must be a torch.distributed ProcessGroup or None, got {type(ep_group).__name__}")
+    config = config or OverlapConfig()
+    from fxoverlap.backend import UNSUPPORTED_FIELDS
+
+    fields = {f: getattr(OverlapConfig(), f) for f in UNSUPPORTED_FIELDS}
+    if refused := [f for f in UNSUPPORTED_FIELDS if getattr(config, f) != fields[f]]:
+        raise PipelineError(f"pipeline_schedule cannot honour OverlapConfig fields {refused}: "
+                            + "; ".join(UNSUPPORTED_FIELDS[f] for f in refused))
+    multi = _is_multi_stage(schedule_cls)
+    local = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+    if not multi and isinstance(stages, (list, tuple)):
+        raise PipelineInputError(f"{schedule_cls.__name__} takes one PipelineStage, got a {type(stages).__name__}")
+    from torch.distributed.fsdp import FSDPModule
+
+    if fsdp := [st.stage_index for st in local if isinstance(st.submod, FSDPModule)]:
+        raise PipelineError(f"pipeline stages {fsdp}: FSDP-wrapped stage modules are not supported by "
+                            f"fxoverlap.pipeline_schedule yet (DDP is; docs/pipeline_parallel.md)")
+    registry: dict[int, list[Stage]] = {}
+    for st in local:
+        compiler = _StageCompiler(st, config, registry)
+        compiler.n_microbatches = n_microbatches
+        _install(st, compiler)
+    schedule = _schedule_class(schedule_cls)(stages, n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
+    if multi:
+        from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+        schedule.register_custom_function(OVERLAP_F_B, functools.partial(_overlap_f_b, schedule))
+    schedule.fxoverlap_stages = registry
+    schedule.fxoverlap_overlap_steps = 0  # OVERLAP_F_B steps run by the custom function
+    schedule.fxoverlap_merged_steps = 0  # of which F and B ran in turns (the rest: F then B)
+    schedule.fxoverlap_merge = merge
+    schedule.fxoverlap_ep_group = ep_group
+    schedule.fxoverlap_config = config
+    return schedule

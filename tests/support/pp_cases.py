@@ -1,0 +1,409 @@
+"""Pipeline parallelism (``fxoverlap.pipeline_schedule``) against the unpipelined model run eagerly.
+
+Every rank builds the full model from one seed (EP ranks hold their expert shard), runs it
+eagerly over all microbatches as pipelining scales it (``loss_fn(model(x_i), y_i)``, one
+backward per microbatch, grads divided by the microbatch count at the end), then builds the
+same model again, splits it into stage modules that hold references to the full model's
+submodules (decoder layers in a ``ModuleDict`` under their original names, as torchtitan's PP
+split leaves them), and runs the schedule. Each rank returns its losses and gradients against
+the reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxoverlap
+from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.models.mhc import contract_streams, expand_streams
+
+N_LAYERS = 4
+BATCH_PER_MB = 2
+SEQ = 8
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+    return loss if weight == 1.0 else loss * weight
+
+
+class RefStage(nn.Module):
+    """Stage module of a MoETransformer: embed (first), its layers, norm + output (last)."""
+
+    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.first, self.last = first, last
+        if first:
+            self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        if last:
+            if model.cfg.mhc_rate is not None:
+                self.hc_contract = model.hc_contract
+            self.norm, self.output = model.norm, model.output
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            h = self.tok_embeddings(h)
+            if self.cfg.mhc_rate is not None:
+                h = expand_streams(h, self.cfg.mhc_rate)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.last:
+            if self.cfg.mhc_rate is not None:
+                h = contract_streams(h, self.hc_contract)
+            h = self.output(self.norm(h))
+        return h
+
+
+class BreakStage(RefStage):
+    """RefStage with a Dynamo graph break before the head: the last stage runs as two graphs."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            h = self.tok_embeddings(h)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.last:
+            torch._dynamo.graph_break()
+            h = self.output(self.norm(h))
+        return h
+
+
+class NoListStage(nn.Module):
+    """A stage module whose MoE layers are plain attributes: no layer list to find."""
+
+    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.inner = RefStage(model, layer_ids, first, last)
+        self.first, self.last = first, last
+        for i in layer_ids:
+            setattr(self, f"block{i}", model.layers[i])
+        self.ids = layer_ids
+        del self.inner.layers
+        self.inner.layers = nn.ModuleDict()
+
+    def forward(self, h):
+        if self.first:
+            h = self.inner.tok_embeddings(h)
+        for i in self.ids:
+            h = getattr(self, f"block{i}")(h)
+        if self.last:
+            h = self.inner.output(self.inner.norm(h))
+        return h
+
+
+def _groups(rank: int, world: int, ep: int):
+    pp = world // ep
+    pp_rank, ep_rank = rank // ep, rank % ep
+    ep_group = pp_group = None
+    for r in range(pp):  # every rank creates every group, in the same order
+        g = dist.new_group(list(range(r * ep, (r + 1) * ep)))
+        if r == pp_rank:
+            ep_group = g
+    for e in range(ep):
+        g = dist.new_group(list(range(e, world, ep)))
+        if e == ep_rank:
+            pp_group = g
+    return pp, pp_rank, ep_rank, (ep_group if ep > 1 else None), pp_group
+
+
+def _build(kind: str, ep_group):
+    torch.manual_seed(0)
+    if kind == "ref":
+        cfg = MoEConfig.tiny(n_layers=N_LAYERS, dim=32, n_heads=4, expert_dim=32, n_experts=4, shared_expert_dim=32,
+                             vocab_size=64)
+    elif kind == "ac":  # every decoder layer under torch.utils.checkpoint (non-reentrant)
+        cfg = MoEConfig.tiny(n_layers=N_LAYERS, dim=32, n_heads=4, expert_dim=32, n_experts=4, shared_expert_dim=32,
+                             vocab_size=64, activation_checkpoint=True)
+    elif kind == "mhc":
+        cfg = MoEConfig.tiny(n_layers=N_LAYERS, dim=32, n_heads=4, expert_dim=32, n_experts=4, vocab_size=64,
+                             mhc_rate=2)
+    else:
+        raise ValueError(kind)
+    return MoETransformer(cfg, ep_group), cfg.vocab_size
+
+
+def titan_next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _build_titan():
+    """torchtitan 0.3.0's Qwen3-MoE, tiny, N_LAYERS layers, one rank of EP (titan_real.py)."""
+    import titan_real
+
+    torch.manual_seed(0)
+    model = titan_real.qwen3_moe_config(n_layers=N_LAYERS).build()
+    model.init_states()
+    return model.train(), titan_real.VOCAB
+
+
+def _titan_stage(model, n_stages: int, s: int) -> nn.Module:
+    """Stage ``s`` as torchtitan's PP splits the model (``pipeline_parallel._split_module``: a
+    deep copy with the other stages' layers deleted from ``layers``, a ModuleDict keeping the
+    original names, and the other top-level modules set to None)."""
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part, _split_module
+
+    names = _generate_llm_fqn_per_model_part(n_stages, N_LAYERS, input_weight=1, output_weight=1)
+    return _split_module(model, names[s])
+
+
+class HFStage(nn.Module):
+    """A pipeline stage of a Hugging Face causal LM (Qwen3-MoE's layout): embedding (first),
+    its decoder layers in a ModuleDict under their original indices, norm + lm_head (last);
+    each stage computes the positions, mask and rotary embeddings as the model's forward does."""
+
+    def __init__(self, lm, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        inner = lm.model
+        self.config, self.first, self.last = inner.config, first, last
+        if first:
+            self.embed_tokens = inner.embed_tokens
+        self.rotary_emb = inner.rotary_emb
+        self.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layer_ids})
+        if last:
+            self.norm, self.lm_head = inner.norm, lm.lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.first:
+            h = self.embed_tokens(h)
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                                  position_ids=position_ids)
+        position_embeddings = self.rotary_emb(h, position_ids=position_ids)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        return self.lm_head(self.norm(h)) if self.last else h
+
+
+def hf_next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def _build_hf(ep_group):
+    """Hugging Face Qwen3-MoE, tiny (hf_cases.py), N_LAYERS layers, after fxoverlap.expert_parallel."""
+    import hf_cases
+
+    model = hf_cases.build("qwen3_moe", num_hidden_layers=N_LAYERS).train()
+    return fxoverlap.expert_parallel(model, ep_group), hf_cases.VOCAB
+
+
+def _stage_layout(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]:
+    """(number of stages, this rank's stage indices) as the schedule places them."""
+    if schedule in ("Schedule1F1B", "ScheduleGPipe"):
+        return pp, [pp_rank]
+    if schedule in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble"):
+        return 2 * pp, [pp_rank, 2 * pp - 1 - pp_rank]
+    if schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
+        return 2 * pp, [pp_rank, pp_rank + pp]
+    raise ValueError(schedule)
+
+
+def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dict | None = None) -> dict:
+    """``opts``: ``n_mb`` (4), ``stage_cls`` ("RefStage"), ``loss_weight`` (1.0: passed to
+    ``step`` as ``loss_kwargs``), ``config`` (OverlapConfig fields; ``compiler="eager"``)."""
+    import torch.distributed.pipelining as pipelining
+
+    opts = opts or {}
+    n_mb, stage_cls, loss_weight = opts.get("n_mb", 4), opts.get("stage_cls", "RefStage"), opts.get("loss_weight", 1.0)
+    scale_grads = opts.get("scale_grads", True)
+    config = {"compiler": "eager", **opts.get("config", {})}
+
+    torch.manual_seed(0)
+    pp, pp_rank, ep_rank, ep_group, pp_group = _groups(rank, world, ep)
+    g = torch.Generator().manual_seed(100 + ep_rank)  # EP peers: different data
+    titan = kind == "titan"
+    if titan and ep != 1:
+        raise ValueError("the torchtitan case runs at EP 1 (torchtitan's EP makes DTensor parameters, "
+                         "which the per-stage backend refuses)")
+    hf = kind == "hf"
+    model, vocab = _build_titan() if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
+    lossf = titan_next_token_loss if titan else hf_next_token_loss if hf else loss_fn
+    lkw = {"weight": loss_weight} if loss_weight != 1.0 else {}  # step(loss_kwargs=...)
+    x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    y = x.clone() if titan or hf else torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+
+    # the reference: the unpipelined model, eager, as pipelining scales the gradients
+    ref_losses = []
+    for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
+        out = model(xi)
+        loss = lossf(out.logits if hf else out, yi, **lkw)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    for p in model.parameters():
+        if p.grad is not None and scale_grads:
+            p.grad.div_(n_mb)
+    ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    del model
+
+    model, _ = _build_titan() if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
+    n_stages, mine = _stage_layout(schedule, pp, pp_rank)
+    per = N_LAYERS // n_stages
+    make = HFStage if hf else {"RefStage": RefStage, "NoListStage": NoListStage, "BreakStage": BreakStage}[stage_cls]
+    stages, names = [], {}
+    for s in mine:
+        if titan:  # a deep copy: its parameters keep the whole model's names
+            mod = _titan_stage(model, n_stages, s)
+            names.update({id(p): k for k, p in mod.named_parameters()})
+        else:  # references to the whole model's modules
+            mod = make(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
+            names.update({id(p): k for k, p in model.named_parameters()})
+        stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
+    hook_calls = []
+    if opts.get("hook"):
+        for st in stages:
+            if st.is_last:
+                st.submod.output.weight.register_post_accumulate_grad_hook(lambda p: hook_calls.append(1))
+    cls = getattr(pipelining, schedule)
+    arg = stages[0] if schedule in ("Schedule1F1B", "ScheduleGPipe") else stages
+    sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=lossf, ep_group=ep_group,
+                                        config=fxoverlap.OverlapConfig(**config), merge=opts.get("merge", True),
+                                        scale_grads=scale_grads)
+    has_first = any(s.is_first for s in stages)
+    has_last = any(s.is_last for s in stages)
+    losses: list = []
+    args = (x,) if has_first else ()
+    kwargs = dict(target=y, losses=losses, loss_kwargs=lkw or None) if has_last else {}
+    # the stage calls of each merged OVERLAP_F_B step, in the order they ran
+    import fxoverlap.backend as fxb
+    from fxoverlap.runtime import ProgramRunner
+
+    merged_calls: list[list[tuple[str, str]]] = []
+    orig_turns, orig_call = fxb.run_in_turns, ProgramRunner.call_stage
+
+    def turns(other, forward):
+        merged_calls.append([])
+        try:
+            return orig_turns(other, forward)
+        finally:
+            merged_calls.append(None)
+
+    def call_stage(self, node, stage, mb, cross):
+        if merged_calls and merged_calls[-1] is not None:
+            merged_calls[-1].append((str(stage.direction), str(stage.kind)))
+        return orig_call(self, node, stage, mb, cross)
+
+    fxb.run_in_turns, ProgramRunner.call_stage = turns, call_stage
+    try:
+        sched.step(*args, **kwargs)
+    finally:
+        fxb.run_in_turns, ProgramRunner.call_stage = orig_turns, orig_call
+
+    out: dict = {"rank": rank, "stages": mine, "schedule_type": type(sched).__name__,
+                 "is_subclass": isinstance(sched, cls)}
+    worst, scale, bitwise, missing, count, rel = 0.0, 0.0, True, [], 0, 0.0
+    for st in stages:
+        for p in st.submod.parameters():
+            k = names[id(p)]
+            r = ref.get(k)
+            if (r is None) != (p.grad is None):
+                missing.append(k)
+                continue
+            if r is None:
+                continue
+            count += 1
+            rel = max(rel, ((p.grad.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item())
+            worst = max(worst, (p.grad.double() - r.double()).abs().max().item())
+            scale = max(scale, r.double().abs().max().item())
+            bitwise &= torch.equal(p.grad, r)
+    out.update(grad_rel_l2=rel, grad_max_abs_diff=worst, grad_max_abs_ref=scale, grad_bitwise=bitwise, missing=missing,
+               n_grads=count)
+    if has_last:
+        out["losses"] = [float(v.detach()) for v in losses]
+        out["ref_losses"] = [float(v) for v in ref_losses]
+        out["loss_bitwise"] = all(torch.equal(a.detach(), b) for a, b in zip(losses, ref_losses))
+    out["forward_calls"] = {st.stage_index: st._fxoverlap.forward_calls for st in stages}
+    out["overlap_steps"] = getattr(sched, "fxoverlap_overlap_steps", None)
+    out["merged_steps"] = getattr(sched, "fxoverlap_merged_steps", None)
+    out["merged_calls"] = [c for c in merged_calls if c is not None]
+    out["hook_calls"] = len(hook_calls)
+    out["graphs"] = {st.stage_index: len(st._fxoverlap.steps) for st in stages}
+    out["fxoverlap_stages"] = {i: [(str(s.kind), str(s.direction), s.layer) for s in v]
+                               for i, v in sched.fxoverlap_stages.items()}
+    return out
+
+
+def error_case(rank: int, world: int, which: str) -> dict:
+    """One rank, one pipeline stage holding the whole model: the error ``which`` raises."""
+    import torch.distributed.pipelining as pipelining
+
+    model, vocab = _build("ref", None)
+    make = {"nolist": NoListStage, "ok": RefStage}[which]
+    mod = make(model, list(range(N_LAYERS)), True, True)
+    stage = pipelining.PipelineStage(mod, 0, 1, torch.device("cpu"), group=dist.group.WORLD)
+    sched = fxoverlap.pipeline_schedule(pipelining.Schedule1F1B, stage, 2, loss_fn=loss_fn)
+    x = torch.randint(0, vocab, (4, SEQ))
+    try:
+        sched.step(x, target=x, losses=[])
+    except Exception as e:  # the error, and the fxoverlap error in its chain
+        chain, cur = [], e
+        while cur is not None:
+            chain.append((type(cur).__name__, str(cur)[:2000]))
+            cur = cur.__cause__ or cur.__context__
+        return {"raised": True, "chain": chain}
+    return {"raised": False, "grads": sum(p.grad is not None for p in mod.parameters())}
+
+
+def run_dp_case(rank: int, world: int, schedule: str) -> dict:
+    """PP 2 x DP 2 (EP 1) on 4 ranks: each stage module in DistributedDataParallel over its DP
+    group (each DP rank its own data). The reference: the unpipelined model, eager, gradients
+    divided by the microbatch count, averaged over the DP group."""
+    import torch.distributed.pipelining as pipelining
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n_mb, dp = 4, 2
+    pp, pp_rank, dp_rank, _, pp_group = _groups(rank, world, dp)
+    dp_group = None
+    for r in range(pp):  # the rows of the mesh (the groups _groups made first) again, as DP groups
+        g = dist.new_group(list(range(r * dp, (r + 1) * dp)))
+        if r == pp_rank:
+            dp_group = g
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    model, vocab = _build("ref", None)
+    x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    y = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
+        loss_fn(model(xi), yi).backward()
+    ref = {}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            gr = p.grad / n_mb
+            dist.all_reduce(gr, group=dp_group)
+            ref[k] = gr / dp
+    del model
+
+    model, _ = _build("ref", None)
+    names = {id(p): k for k, p in model.named_parameters()}
+    n_stages, mine = _stage_layout(schedule, pp, pp_rank)
+    per = N_LAYERS // n_stages
+    stages = []
+    for s in mine:
+        mod = DDP(RefStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1),
+                  process_group=dp_group)
+        stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
+    cls = getattr(pipelining, schedule)
+    arg = stages[0] if schedule == "Schedule1F1B" else stages
+    sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn,
+                                        config=fxoverlap.OverlapConfig(compiler="eager"))
+    has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    sched.step(*((x,) if has_first else ()), **(dict(target=y, losses=[]) if has_last else {}))
+    worst = scale = 0.0
+    missing, count = [], 0
+    for st in stages:
+        for p in st.submod.parameters():
+            k = names[id(p)]
+            if (ref.get(k) is None) != (p.grad is None):
+                missing.append(k)
+                continue
+            count += 1
+            worst = max(worst, (p.grad.double() - ref[k].double()).abs().max().item())
+            scale = max(scale, ref[k].double().abs().max().item())
+    return {"rank": rank, "missing": missing, "n_grads": count, "max_abs_diff": worst, "max_abs_ref": scale,
+            "stages": {i: len(v) for i, v in sched.fxoverlap_stages.items()},
+            "merged_steps": getattr(sched, "fxoverlap_merged_steps", None),
+            "overlap_steps": getattr(sched, "fxoverlap_overlap_steps", None)}
