@@ -11,11 +11,12 @@ losses and gradients are bitwise equal.
 
 from __future__ import annotations
 
+import expecttest
 import pytest
 
 import fxoverlap
 from fxoverlap.pipeline_parallel import PipelineInputError, UnsupportedSchedule
-from fxoverlap.testing import RankError, run_distributed
+from fxoverlap.testing import RankError, run_distributed, run_distributed_once
 
 import pp_cases
 
@@ -71,7 +72,7 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
 def test_pp2_ep1(schedule, kind):
     # the mHC case passes loss_kwargs to step (a loss weight of 0.5, also in the reference)
     opts = {"loss_weight": 0.5} if kind == "mhc" else {"scale_grads": False} if schedule == "ScheduleZBVZeroBubble" else {}
-    results = run_distributed(pp_cases.run_case, schedule, kind, 1, opts, world_size=2)
+    results = run_distributed_once(pp_cases.run_case, schedule, kind, 1, opts, world_size=2)
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
     if kind == "ref":  # MoE layers: the all-to-alls are stages of their own
         kinds = {k for r in results for st in r["fxoverlap_stages"].values() for k, _, _ in st}
@@ -176,3 +177,13 @@ def test_pp2_ep1_graph_break_keeps_autograd():
     assert by_rank[0]["graphs"] == {0: 1, 3: 2}, by_rank[0]["graphs"]
     assert 0 < by_rank[0]["merged_steps"] < by_rank[0]["overlap_steps"]
     assert by_rank[1]["merged_steps"] == by_rank[1]["overlap_steps"]
+
+
+class MergedStepSnapshot(expecttest.TestCase):
+    """One rank's merged OVERLAP_F_B step under DualPipeV (PP 2 x EP 1, the reference model): the
+    stage calls of F(i) and B(j) in the order they ran (the same spawn as test_pp2_ep1's case)."""
+
+    def test_first_merged_step_of_rank0(self):
+        results = run_distributed_once(pp_cases.run_case, "ScheduleDualPipeV", "ref", 1, {}, world_size=2)
+        calls = next(r for r in results if r["rank"] == 0)["merged_calls"][0]
+        self.assertExpectedInline(" ".join(f"{d}:{k}" for d, k in calls), """fwd:embed fwd:attn fwd:dispatch bwd:head bwd:post bwd:combine fwd:attn fwd:experts fwd:combine bwd:attn bwd:experts bwd:dispatch fwd:post bwd:attn""")
