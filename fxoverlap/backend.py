@@ -96,7 +96,7 @@ from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import CHECKPOINT_KEY
 from fxoverlap.passes.capture import WRAPPED_MODULE_ATTRS, Capture, capture
 from fxoverlap.ir.meta import LIST_KEY
-from fxoverlap.pipeline import build_program, build_stages, make_runner
+from fxoverlap.pipeline import build_program, build_stages, check_disable_passes, make_runner
 from fxoverlap.ir.stage import Stage, StreamKind
 
 __all__ = [
@@ -792,7 +792,9 @@ def backend_config(options: dict | None = None, mode: str | None = None, **kwarg
         raise ConfigError(f"fxoverlap backend: unknown mode {mode!r}")
     if inductor_opts:
         cfg["compile_options"] = {**(cfg.get("compile_options") or {}), **inductor_opts}
-    return OverlapConfig(**cfg)
+    config = OverlapConfig(**cfg)
+    check_disable_passes(config.disable_passes)  # an error for the user, not a fallback
+    return config
 
 
 def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig | None = None) -> CompiledStep:

@@ -65,6 +65,9 @@ def test_disable_unknown_or_unswitchable(name):
     with pytest.raises(ValueError, match="side, cudagraph, inductor, free") as e:
         fxoverlap.optimize(torch.nn.Linear(2, 2), None, fxoverlap.OverlapConfig(disable_passes=(name,)))
     assert repr(name) in str(e.value)
+    with pytest.raises(ValueError, match="side, cudagraph, inductor, free") as e:  # the backend's options
+        fxoverlap.backend.backend_config({"disable_passes": (name,)})
+    assert repr(name) in str(e.value)
 
 
 def test_disabled_pass_does_not_run(caplog):
