@@ -570,7 +570,7 @@ class CompiledStep:
         if other is None:
             runner.execute(state, "forward")
         else:  # a merged step: this forward and another program's backward, in turns
-            for span in runner.chunks("forward"):
+            for span in runner.turns("forward"):
                 runner.execute(state, span)
                 next(other, None)
             for _ in other:
@@ -585,7 +585,7 @@ class CompiledStep:
 
     def backward_in_turns(self, run: _Run, grad_outputs):
         """The backward of call ``run`` outside autograd, as a generator that stops after each
-        of its comm-stream stages (:meth:`ProgramRunner.chunks`), so another program's
+        of its comm-stream stages (:meth:`ProgramRunner.turns`), so another program's
         forward can run in between (:func:`run_in_turns`). ``grad_outputs``: one per
         output of the call (as autograd would pass them). When exhausted, ``run.grads``
         holds the gradients by graph input index, and the call's autograd node is spent
@@ -597,7 +597,7 @@ class CompiledStep:
             self._awaiting_backward = None
         run.next_segment = len(self._segments)
         runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
-        for span in runner.chunks("backward"):
+        for span in runner.turns("backward"):
             runner.execute(state, span)
             yield
         handed = state.outputs[0]

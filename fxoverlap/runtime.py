@@ -252,7 +252,7 @@ class ProgramRunner:
         if part != "forward" and hi == len(self._bound) and self.record_memory:
             state.memory_trace.append(("end", -1, live_bytes(state.stores, state.static_keys)))
 
-    def chunks(self, part: str) -> list[tuple[int, int]]:
+    def turns(self, part: str) -> list[tuple[int, int]]:
         """The ``"forward"`` or ``"backward"`` part cut right after each call of a stage on the
         comm stream: spans for :meth:`execute`. Running two programs' chunks in turns (a
         merged F(i) ⊗ B(j) step of pipeline parallelism) puts each one's compute under the
