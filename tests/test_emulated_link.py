@@ -102,8 +102,9 @@ def _step_counts(mode: str, dispatcher: str, routing: str) -> dict:
     return counter.by_op()
 
 
-@pytest.mark.parametrize("routing", ["dropless", "capacity"])
-@pytest.mark.parametrize("dispatcher", ["auto", "padded"])
+# the generic ops with dropless routing and a static lowering with capacity routing (the other two
+# pairings hold the same ops: kept out of CI for its time)
+@pytest.mark.parametrize("dispatcher,routing", [("auto", "dropless"), ("padded", "capacity")])
 def test_same_calls_and_bytes_in_every_mode(dispatcher, routing):
     """One step of 2 microbatches of the 2-layer model: per microbatch and layer a forward
     dispatch and combine and, in the backward, their adjoints (a combine and a dispatch)."""
