@@ -237,11 +237,13 @@ def run_passes(phase: Phase, state: PassState) -> PassState:
         if why is not None:
             plog.info("fxoverlap pass %-10s skipped (%s)", p.name, why)
             continue
-        before = _size(state, phase)
+        logging_on = plog.isEnabledFor(logging.INFO)  # sizes are counted only for the log line
+        before = _size(state, phase) if logging_on else ""
         t0 = time.perf_counter()
         p.run(state)
-        ms = (time.perf_counter() - t0) * 1e3
-        plog.info("fxoverlap pass %-10s %8.1f ms  %s -> %s", p.name, ms, before, _size(state, phase))
+        if logging_on:
+            ms = (time.perf_counter() - t0) * 1e3
+            plog.info("fxoverlap pass %-10s %8.1f ms  %s -> %s", p.name, ms, before, _size(state, phase))
         emit_artifacts(p.name, state, phase)
     return state
 
