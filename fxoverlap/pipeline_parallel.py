@@ -47,7 +47,7 @@ from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.stage import Stage
 
 __all__ = ["PipelineError", "PipelineInputError", "UnsupportedSchedule", "StageLayersNotFound", "pipeline_schedule",
-           "supported_schedules"]
+           "stage_layout", "supported_schedules"]
 
 
 class PipelineError(FxOverlapError, RuntimeError):
@@ -446,3 +446,17 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     schedule.fxoverlap_ep_group = ep_group
     schedule.fxoverlap_config = config
     return schedule
+
+
+def stage_layout(schedule: type | str, pp: int, pp_rank: int) -> tuple[int, list[int]]:
+    """(number of stages, the stage indices PP rank ``pp_rank`` of ``pp`` holds) as ``schedule``
+    places them: one stage per rank for the single-stage schedules, two for the looped (rank
+    r: r and r + pp) and the V-shaped ones (rank r: r and 2·pp − 1 − r)."""
+    name = schedule if isinstance(schedule, str) else schedule.__name__
+    if name in ("Schedule1F1B", "ScheduleGPipe"):
+        return pp, [pp_rank]
+    if name in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble"):
+        return 2 * pp, [pp_rank, 2 * pp - 1 - pp_rank]
+    if name in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
+        return 2 * pp, [pp_rank, pp_rank + pp]
+    raise UnsupportedSchedule(f"stage_layout: no stage layout for schedule {name!r}")

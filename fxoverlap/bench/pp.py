@@ -31,7 +31,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 MODES = ("eager", "compile", "fxoverlap", "fxoverlap_seq")
@@ -39,41 +38,8 @@ SCHEDULES = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleDualPipeV", "Sc
              "ScheduleZBVZeroBubble")
 
 
-class StageModule(nn.Module):
-    """A pipeline stage of a :class:`~fxoverlap.models.MoETransformer`: references to its
-    modules (embedding if first, the layers ``layer_ids`` as a ModuleDict keyed by their
-    original index, norm and output if last)."""
-
-    def __init__(self, model, layer_ids: list[int], first: bool, last: bool):
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.tok_embeddings = model.tok_embeddings
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        if last:
-            self.norm, self.output = model.norm, model.output
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            h = self.tok_embeddings(h)
-        for layer in self.layers.values():
-            h = layer(h)
-        return self.output(self.norm(h)) if self.last else h
-
-
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
-
-
-def stage_indices(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]:
-    """(number of stages, this PP rank's stages) as the schedule places them."""
-    if schedule == "Schedule1F1B":
-        return pp, [pp_rank]
-    if schedule in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble"):
-        return 2 * pp, [pp_rank, 2 * pp - 1 - pp_rank]
-    if schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
-        return 2 * pp, [pp_rank, pp_rank + pp]
-    raise SystemExit(f"--schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,14 +86,15 @@ def run(args: argparse.Namespace) -> dict | None:
     import torch.distributed.pipelining as pipelining
 
     import fxoverlap
-    from fxoverlap.models import MoEConfig, MoETransformer
+    from fxoverlap.models import MoEConfig, MoEStage, MoETransformer
+    from fxoverlap.pipeline_parallel import stage_layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
     ep, pp_rank, ep_rank, ep_group, pp_group = _groups(world, rank, args.pp)
-    n_stages, mine = stage_indices(args.schedule, args.pp, pp_rank)
+    n_stages, mine = stage_layout(args.schedule, args.pp, pp_rank)
     base = MoEConfig.tiny() if (args.tiny or not cuda) else MoEConfig(dim=1024, n_heads=8, n_experts=16, top_k=4,
                                                                        expert_dim=512, vocab_size=8192,
                                                                        max_seq_len=4096)
@@ -156,7 +123,7 @@ def run(args: argparse.Namespace) -> dict | None:
         model = MoETransformer(cfg, ep_group if ep > 1 else None).to(device=device, dtype=dtype)
         stages = []
         for s in mine:
-            mod = StageModule(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
+            mod = MoEStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
             if mode == "compile":
                 mod.compile()
             stages.append(pipelining.PipelineStage(mod, s, n_stages, device, group=pp_group))

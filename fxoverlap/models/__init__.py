@@ -1,5 +1,5 @@
 """Reference models: plain PyTorch, written the way torchtitan writes them."""
 
-from fxoverlap.models.moe import MoEConfig, MoETransformer
+from fxoverlap.models.moe import MoEConfig, MoEStage, MoETransformer
 
-__all__ = ["MoEConfig", "MoETransformer"]
+__all__ = ["MoEConfig", "MoEStage", "MoETransformer"]

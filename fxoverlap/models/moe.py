@@ -382,3 +382,35 @@ class MoETransformer(nn.Module):
         mtp_logits = self.output(self.mtp(streams, self.tok_embeddings(next_tokens)))
         mtp_loss = F.cross_entropy(mtp_logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
         return loss + self.cfg.mtp_loss_weight * mtp_loss
+
+
+class MoEStage(nn.Module):
+    """One pipeline stage of a :class:`MoETransformer` (``torch.distributed.pipelining``): the
+    embedding (first stage), the layers ``layer_ids`` under their original indices (a
+    ``ModuleDict``, as torchtitan splits its models), the final norm and output (last stage).
+    It shares the model's modules; ``forward(h)`` takes tokens (first) or hidden states."""
+
+    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.first, self.last = first, last
+        if first:
+            self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        if last:
+            if model.cfg.mhc_rate is not None:
+                self.hc_contract = model.hc_contract
+            self.norm, self.output = model.norm, model.output
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            h = self.tok_embeddings(h)
+            if self.cfg.mhc_rate is not None:
+                h = expand_streams(h, self.cfg.mhc_rate)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.last:
+            if self.cfg.mhc_rate is not None:
+                h = contract_streams(h, self.hc_contract)
+            h = self.output(self.norm(h))
+        return h

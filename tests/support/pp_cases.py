@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxoverlap
-from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.models.mhc import contract_streams, expand_streams
+from fxoverlap.models import MoEConfig, MoEStage, MoETransformer
+from fxoverlap.pipeline_parallel import stage_layout
 
 N_LAYERS = 4
 BATCH_PER_MB = 2
@@ -30,33 +30,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor, weight: float = 1.0) -> 
     return loss if weight == 1.0 else loss * weight
 
 
-class RefStage(nn.Module):
-    """Stage module of a MoETransformer: embed (first), its layers, norm + output (last)."""
-
-    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
-        super().__init__()
-        self.cfg = model.cfg
-        self.first, self.last = first, last
-        if first:
-            self.tok_embeddings = model.tok_embeddings
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        if last:
-            if model.cfg.mhc_rate is not None:
-                self.hc_contract = model.hc_contract
-            self.norm, self.output = model.norm, model.output
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            h = self.tok_embeddings(h)
-            if self.cfg.mhc_rate is not None:
-                h = expand_streams(h, self.cfg.mhc_rate)
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.last:
-            if self.cfg.mhc_rate is not None:
-                h = contract_streams(h, self.hc_contract)
-            h = self.output(self.norm(h))
-        return h
+RefStage = MoEStage  # the reference model's stage module (fxoverlap.models.moe)
 
 
 class BreakStage(RefStage):
@@ -193,17 +167,6 @@ def _build_hf(ep_group):
     return fxoverlap.expert_parallel(model, ep_group), hf_cases.VOCAB
 
 
-def _stage_layout(schedule: str, pp: int, pp_rank: int) -> tuple[int, list[int]]:
-    """(number of stages, this rank's stage indices) as the schedule places them."""
-    if schedule in ("Schedule1F1B", "ScheduleGPipe"):
-        return pp, [pp_rank]
-    if schedule in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble"):
-        return 2 * pp, [pp_rank, 2 * pp - 1 - pp_rank]
-    if schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
-        return 2 * pp, [pp_rank, pp_rank + pp]
-    raise ValueError(schedule)
-
-
 def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dict | None = None) -> dict:
     """``opts``: ``n_mb`` (4), ``stage_cls`` ("RefStage"), ``loss_weight`` (1.0: passed to
     ``step`` as ``loss_kwargs``), ``config`` (OverlapConfig fields; ``compiler="eager"``)."""
@@ -242,7 +205,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     del model
 
     model, _ = _build_titan() if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
-    n_stages, mine = _stage_layout(schedule, pp, pp_rank)
+    n_stages, mine = stage_layout(schedule, pp, pp_rank)
     per = N_LAYERS // n_stages
     make = HFStage if hf else {"RefStage": RefStage, "NoListStage": NoListStage, "BreakStage": BreakStage}[stage_cls]
     stages, names = [], {}
@@ -379,7 +342,7 @@ def run_dp_case(rank: int, world: int, schedule: str) -> dict:
 
     model, _ = _build("ref", None)
     names = {id(p): k for k, p in model.named_parameters()}
-    n_stages, mine = _stage_layout(schedule, pp, pp_rank)
+    n_stages, mine = stage_layout(schedule, pp, pp_rank)
     per = N_LAYERS // n_stages
     stages = []
     for s in mine:
