@@ -47,7 +47,7 @@ from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.stage import Stage
 
 __all__ = ["PipelineError", "PipelineInputError", "UnsupportedSchedule", "StageLayersNotFound", "pipeline_schedule",
-           "stage_layout", "supported_schedules"]
+           "pp_ep_groups", "stage_layout", "supported_schedules"]
 
 
 class PipelineError(FxOverlapError, RuntimeError):
@@ -460,3 +460,24 @@ def stage_layout(schedule: type | str, pp: int, pp_rank: int) -> tuple[int, list
     if name in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
         return 2 * pp, [pp_rank, pp_rank + pp]
     raise UnsupportedSchedule(f"stage_layout: no stage layout for schedule {name!r}")
+
+
+def pp_ep_groups(ep: int) -> tuple[int, int, int, dist.ProcessGroup, dist.ProcessGroup]:
+    """The PP x EP process groups of the default group, ranks laid out row-major (rank =
+    pp_rank * ep + ep_rank, as ``init_device_mesh(..., (pp, ep))`` lays them): ``(pp, pp_rank,
+    ep_rank, ep_group, pp_group)``. Every rank creates every group, in the same order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % ep:
+        raise PipelineInputError(f"pp_ep_groups: world size {world} is not a multiple of the EP size {ep}")
+    pp = world // ep
+    pp_rank, ep_rank = rank // ep, rank % ep
+    ep_group = pp_group = None
+    for r in range(pp):
+        g = dist.new_group(list(range(r * ep, (r + 1) * ep)))
+        if r == pp_rank:
+            ep_group = g
+    for e in range(ep):
+        g = dist.new_group(list(range(e, world, ep)))
+        if e == ep_rank:
+            pp_group = g
+    return pp, pp_rank, ep_rank, ep_group, pp_group

@@ -64,36 +64,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _groups(world: int, rank: int, pp: int):
-    if world % pp:
-        raise SystemExit(f"world size {world} is not a multiple of --pp {pp}")
-    ep = world // pp
-    pp_rank, ep_rank = rank // ep, rank % ep
-    ep_group = pp_group = None
-    for r in range(pp):
-        g = dist.new_group(list(range(r * ep, (r + 1) * ep)))
-        if r == pp_rank:
-            ep_group = g
-    for e in range(ep):
-        g = dist.new_group(list(range(e, world, ep)))
-        if e == ep_rank:
-            pp_group = g
-    return ep, pp_rank, ep_rank, ep_group, pp_group
-
-
 def run(args: argparse.Namespace) -> dict | None:
     """The benchmark on an initialised process group; rank 0 returns the report."""
     import torch.distributed.pipelining as pipelining
 
     import fxoverlap
     from fxoverlap.models import MoEConfig, MoEStage, MoETransformer
-    from fxoverlap.pipeline_parallel import stage_layout
+    from fxoverlap.pipeline_parallel import pp_ep_groups, stage_layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
-    ep, pp_rank, ep_rank, ep_group, pp_group = _groups(world, rank, args.pp)
+    if world % args.pp:
+        raise SystemExit(f"world size {world} is not a multiple of --pp {args.pp}")
+    ep = world // args.pp
+    _, pp_rank, ep_rank, ep_group, pp_group = pp_ep_groups(ep)
     n_stages, mine = stage_layout(args.schedule, args.pp, pp_rank)
     base = MoEConfig.tiny() if (args.tiny or not cuda) else MoEConfig(dim=1024, n_heads=8, n_experts=16, top_k=4,
                                                                        expert_dim=512, vocab_size=8192,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fxoverlap
 from fxoverlap.models import MoEConfig, MoEStage, MoETransformer
-from fxoverlap.pipeline_parallel import stage_layout
+from fxoverlap.pipeline_parallel import pp_ep_groups, stage_layout
 
 N_LAYERS = 4
 BATCH_PER_MB = 2
@@ -68,21 +68,6 @@ class NoListStage(nn.Module):
         if self.last:
             h = self.inner.output(self.inner.norm(h))
         return h
-
-
-def _groups(rank: int, world: int, ep: int):
-    pp = world // ep
-    pp_rank, ep_rank = rank // ep, rank % ep
-    ep_group = pp_group = None
-    for r in range(pp):  # every rank creates every group, in the same order
-        g = dist.new_group(list(range(r * ep, (r + 1) * ep)))
-        if r == pp_rank:
-            ep_group = g
-    for e in range(ep):
-        g = dist.new_group(list(range(e, world, ep)))
-        if e == ep_rank:
-            pp_group = g
-    return pp, pp_rank, ep_rank, (ep_group if ep > 1 else None), pp_group
 
 
 def _build(kind: str, ep_group):
@@ -178,7 +163,8 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     config = {"compiler": "eager", **opts.get("config", {})}
 
     torch.manual_seed(0)
-    pp, pp_rank, ep_rank, ep_group, pp_group = _groups(rank, world, ep)
+    pp, pp_rank, ep_rank, ep_group, pp_group = pp_ep_groups(ep)
+    ep_group = ep_group if ep > 1 else None
     g = torch.Generator().manual_seed(100 + ep_rank)  # EP peers: different data
     titan = kind == "titan"
     if titan and ep != 1:
@@ -320,9 +306,9 @@ def run_dp_case(rank: int, world: int, schedule: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     n_mb, dp = 4, 2
-    pp, pp_rank, dp_rank, _, pp_group = _groups(rank, world, dp)
+    pp, pp_rank, dp_rank, _, pp_group = pp_ep_groups(dp)
     dp_group = None
-    for r in range(pp):  # the rows of the mesh (the groups _groups made first) again, as DP groups
+    for r in range(pp):  # the rows of the mesh (the groups pp_ep_groups made first) again, as DP groups
         g = dist.new_group(list(range(r * dp, (r + 1) * dp)))
         if r == pp_rank:
             dp_group = g
