@@ -42,7 +42,7 @@ from fxoverlap.ir import program as program_ops
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.runtime import ProgramRunner
 from fxoverlap.ir.stage import StageKind, StreamKind
-from fxoverlap.testing import token_batches
+from fxoverlap.testing import eager_steps, token_batches
 
 
 def _model(routing: str, **kw):
@@ -557,12 +557,7 @@ def test_graphed_stages_that_draw_give_eager_numbers(fake_cuda):
     model = RandomTransformer(MoEConfig.tiny(n_layers=2, routing="dropless"), None)
     mbs = _batches(3, 256, seed=5)
     torch.manual_seed(1)
-    ref_losses = []
-    for _ in range(2):
-        for mb in mbs:
-            loss = model(*mb)
-            loss.backward()
-            ref_losses.append(loss.detach())
+    ref_losses = eager_steps(model, mbs, rounds=2)
     ref_grads, state = _grads(model), torch.get_rng_state()
     engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
     torch.manual_seed(1)

@@ -63,12 +63,7 @@ def backend_vs_eager(rank: int, world: int, variants: list[dict]) -> list[dict]:
         torch.manual_seed(SEED)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            losses = []
-            for _ in range(2):
-                for mb in mbs:
-                    loss = compiled(*mb)
-                    loss.backward()
-                    losses.append(loss.detach())
+            losses = eager_steps(compiled, mbs, rounds=2)  # the same loop, through the backend
         fallbacks = [str(w.message) for w in caught if w.category.__name__ == "FallbackWarning"]
         stages = [s.name for s in fxoverlap.backend.last_stages()]
         out.append(dict(variant=v, fallbacks=fallbacks, stages=stages,
