@@ -15,6 +15,8 @@ DEEPEP_DISPATCHERS = ("deepep", "hybridep")
 # The one list of dispatcher names (passes/dispatcher.py takes it from here).
 DISPATCHERS = ("auto", "all_to_all", "padded", "symm_mem", *DEEPEP_DISPATCHERS)
 GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
+# OverlapConfig(chunks=None) on CUDA (docs/benchmarks.md, "Chunks", has the measurement behind it).
+DEFAULT_CUDA_CHUNKS = 2
 
 
 class ConfigError(FxOverlapError, ValueError):
@@ -125,6 +127,19 @@ class OverlapConfig:
         reduce_bucket_mb: gradients are reduced in flat buckets of at least this
             many MiB (25, as DDP's ``bucket_cap_mb``), each issued as soon as its
             gradients are final; ``0``: one bucket per backward stage and group.
+        chunks: cut each MoE layer's dispatch -> experts -> combine into this many chunks
+            along its local experts (``passes/chunk.py``), so one chunk's all-to-all runs
+            under another chunk's experts: this is what hides the exchanges where no other
+            microbatch is there to pair with (the ``torch.compile`` backend's one
+            microbatch per call, F(0) and B(N-1) of the 1F1B program, forward-only calls).
+            Everything that reduces over the microbatch's tokens (router, its statistics and
+            losses, the loss) still runs once on all of them, and each expert's rows stay in
+            one chunk, so the weight gradients are eager's sums. ``1``: off. ``None``:
+            :data:`DEFAULT_CUDA_CHUNKS` on CUDA, 1 on CPU (where nothing overlaps; the CPU
+            results stay bitwise eager's). A layer whose exchange is not fxoverlap's
+            ``dispatch``/``combine`` (torchtitan's functional all-to-all, token-once, the
+            static dispatchers), or whose experts draw random numbers, runs unchunked, and
+            the compile log says why.
         disable_passes: names of passes to switch off, for debugging (``fxoverlap.passes.PASSES``
             lists them in order, with why each can or cannot be). Switchable: ``"side"`` (as
             ``side_stages=False``), ``"cudagraph"`` (no CUDA graphs), ``"inductor"`` (compute
@@ -150,9 +165,14 @@ class OverlapConfig:
     dispatch_capacity_factor: float | None = None
     grad_reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
     reduce_bucket_mb: float = 25.0
+    chunks: int | None = None
     disable_passes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.chunks is not None and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int)
+                                        or self.chunks < 1):
+            raise ConfigError(f"OverlapConfig.chunks must be an int >= 1 (1: off) or None (chosen per device), "
+                              f"got {self.chunks!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ConfigError(f"OverlapConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if self.dispatcher in DEEPEP_DISPATCHERS and (why := deepep_missing(self.dispatcher)) is not None:
@@ -177,6 +197,12 @@ class OverlapConfig:
             object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if not self.reduce_bucket_mb >= 0:
             raise ConfigError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
+
+    def resolved_chunks(self, device_type: str) -> int:
+        """How many chunks each MoE layer's exchange is cut into on ``device_type``."""
+        if self.chunks is not None:
+            return self.chunks
+        return DEFAULT_CUDA_CHUNKS if device_type == "cuda" else 1
 
     def resolved_compiler(self, device_type: str) -> str:
         """The compiler for a model whose parameters live on ``device_type``."""

@@ -129,6 +129,62 @@ def combine(
     return _combine(y, recv_counts, tokens_per_expert, a2a.group_name_of(group), out_rows)
 
 
+# ---------------------------------------------------------------- chunks along local experts
+# The chunk pass (``passes/chunk.py``) writes these into the captured joint graph: no autograd
+# (they never meet a tracer), each a comm op the program runs on the comm stream.
+
+
+@torch.library.custom_op("fxoverlap::dispatch_chunk", mutates_args=())
+def _dispatch_chunk(
+    x: torch.Tensor,
+    send_counts: torch.Tensor,
+    group_name: str,
+    recv_counts: torch.Tensor | None,
+    out_rows: int,
+    chunk: int,
+    chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dispatch`` of chunk ``chunk`` of ``chunks``: ``x`` has every row; only the chunk's travel."""
+    y, recv, sent = a2a.dispatch_chunk(x, send_counts, a2a.resolve_group(group_name), recv_counts, chunk, chunks)
+    emulated_link.hold_rows("dispatch", sent, x)
+    return y, recv
+
+
+@_dispatch_chunk.register_fake
+def _(x, send_counts, group_name, recv_counts, out_rows, chunk, chunks):
+    ep = a2a.world_size(a2a.resolve_group(group_name))
+    rows = out_rows if not isinstance(out_rows, int) or out_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(rows, x.shape[1]), send_counts.new_empty(ep, send_counts.shape[0] // ep)
+
+
+@torch.library.custom_op("fxoverlap::combine_chunk", mutates_args=())
+def _combine_chunk(
+    y: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor, group_name: str, chunk: int, chunks: int
+) -> torch.Tensor:
+    """``combine`` of one chunk: the chunk's rows back, in the order ``dispatch_chunk`` took them."""
+    group = a2a.resolve_group(group_name)
+    counts_c = a2a.chunk_counts(send_counts, a2a.world_size(group), chunk, chunks)
+    out = a2a.combine_tokens(y, recv_counts, counts_c, group)
+    emulated_link.hold_rows("combine", out.shape[0], out)
+    return out
+
+
+@_combine_chunk.register_fake
+def _(y, recv_counts, send_counts, group_name, chunk, chunks):
+    return y.new_empty(torch.library.get_ctx().new_dynamic_size(), y.shape[1])
+
+
+@torch.library.custom_op("fxoverlap::merge_chunks", mutates_args=())
+def _merge_chunks(parts: list[torch.Tensor], send_counts: torch.Tensor, ep: int, out_rows: int) -> torch.Tensor:
+    """The chunks' rows back in the sender's order (a gather on the device, no host read)."""
+    return a2a.merge_chunks(list(parts), send_counts, ep, out_rows)
+
+
+@_merge_chunks.register_fake
+def _(parts, send_counts, ep, out_rows):
+    return parts[0].new_empty(out_rows, parts[0].shape[1])
+
+
 # ---------------------------------------------------------------- token-once dispatch / combine
 
 
@@ -309,4 +365,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 DISPATCH_OP = torch.ops.fxoverlap.dispatch.default
 COMBINE_OP = torch.ops.fxoverlap.combine.default
+DISPATCH_CHUNK_OP = torch.ops.fxoverlap.dispatch_chunk.default
+COMBINE_CHUNK_OP = torch.ops.fxoverlap.combine_chunk.default
+MERGE_CHUNKS_OP = torch.ops.fxoverlap.merge_chunks.default
 GROUPED_MM_WGRAD_OP = torch.ops.fxoverlap.grouped_mm_wgrad.default

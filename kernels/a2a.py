@@ -33,14 +33,19 @@ class ExpertSplitError(FxOverlapError, ValueError):
 _host_splits: dict[int, tuple[int, tuple[list[int], ...]]] = {}
 
 
-def _remember(counts: torch.Tensor, splits: tuple[list[int], ...]) -> None:
+# A chunk's rows in the sender's buffer (``dispatch_chunk``), keyed like ``_host_splits`` by the
+# chunk's recv_counts, so the backward exchange selects the same rows without a host read.
+_chunk_ranges: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+
+
+def _remember(counts: torch.Tensor, splits, store: dict = _host_splits) -> None:
     key = id(counts)
-    _host_splits[key] = (counts._version, splits)
-    weakref.finalize(counts, _host_splits.pop, key, None)
+    store[key] = (counts._version, splits)
+    weakref.finalize(counts, store.pop, key, None)
 
 
-def _recall(counts: torch.Tensor) -> tuple[list[int], ...] | None:
-    hit = _host_splits.get(id(counts))
+def _recall(counts: torch.Tensor, store: dict = _host_splits):
+    hit = store.get(id(counts))
     return hit[1] if hit is not None and hit[0] == counts._version else None
 
 
@@ -135,3 +140,93 @@ def _split_counts(
         [send_counts.view(ep, el).sum(1), recv_counts.sum(1), recv_counts.flatten()]
     ).tolist()
     return host[:ep], host[ep : 2 * ep], host[2 * ep :]
+
+
+# ---------------------------------------------------------------- chunks along local experts
+#
+# Chunk ``c`` of ``K`` holds the rows of the global experts whose *local* index lies in
+# ``chunk_bounds(El, c, K)`` on every rank: each rank's share of a chunk is one contiguous run
+# of the sender's expert-sorted rows, so selecting it is ``ep`` slices, and every expert's rows
+# are in exactly one chunk (``docs/design.md``, "Chunks").
+
+
+def chunk_bounds(local_experts: int, chunk: int, chunks: int) -> tuple[int, int]:
+    """The local experts ``[lo, hi)`` of chunk ``chunk`` of ``chunks``."""
+    return chunk * local_experts // chunks, (chunk + 1) * local_experts // chunks
+
+
+def chunk_counts(send_counts: torch.Tensor, ep: int, chunk: int, chunks: int) -> torch.Tensor:
+    """``send_counts`` with every expert outside the chunk set to 0."""
+    lo, hi = chunk_bounds(send_counts.numel() // ep, chunk, chunks)
+    masked = torch.zeros_like(send_counts).view(ep, -1)
+    masked[:, lo:hi] = send_counts.view(ep, -1)[:, lo:hi]
+    return masked.view(-1)
+
+
+def _chunk_rows(host_counts: list[int], ep: int, chunk: int, chunks: int) -> list[tuple[int, int]]:
+    """The sender's row runs ``(start, end)`` of the chunk, one per destination rank."""
+    el = len(host_counts) // ep
+    lo, hi = chunk_bounds(el, chunk, chunks)
+    starts = [0]
+    for c in host_counts:
+        starts.append(starts[-1] + c)
+    return [(starts[r * el + lo], starts[r * el + hi]) for r in range(ep)]
+
+
+def _take_rows(x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([x[a:b] for a, b in runs]) if len(runs) > 1 else x[runs[0][0]:runs[0][1]].clone()
+
+
+def dispatch_chunk(
+    x: torch.Tensor,
+    send_counts: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    recv_counts: torch.Tensor | None,
+    chunk: int,
+    chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`dispatch_tokens` of one chunk: ``x`` holds every row (sorted by global expert);
+    only the chunk's rows travel. Returns the chunk's rows grouped by local expert and its
+    ``recv_counts`` (0 for experts outside the chunk), and how many rows it sent. With ``recv_counts`` given (the
+    backward's exchange of the same chunk), the rows and split sizes are the remembered ones."""
+    ep = world_size(group)
+    counts_c = chunk_counts(send_counts, ep, chunk, chunks)
+    runs = _recall(recv_counts, _chunk_ranges) if recv_counts is not None else None
+    if runs is not None:
+        recv_counts = recv_counts.clone()  # an op's output may not be its input (the backward ignores it)
+    else:
+        if recv_counts is None:
+            recv_counts = exchange_counts(counts_c, group)
+        # the one host read of this exchange: every expert's send count and the chunk's receive counts
+        host = torch.cat([send_counts, recv_counts.flatten()]).tolist()
+        e = send_counts.numel()
+        runs = _chunk_rows(host[:e], ep, chunk, chunks)
+        el = e // ep
+        rc = host[e:]
+        splits = ([b - a for a, b in runs], [sum(rc[s * el:(s + 1) * el]) for s in range(ep)], rc)
+        recv_counts = recv_counts.clone()
+        _remember(recv_counts, splits)
+        _remember(recv_counts, runs, _chunk_ranges)
+    x_c = _take_rows(x, runs)
+    y, _ = dispatch_tokens(x_c, counts_c, group, recv_counts)
+    return y, recv_counts, x_c.shape[0]
+
+
+def merge_chunks(parts: list[torch.Tensor], send_counts: torch.Tensor, ep: int, out_rows: int) -> torch.Tensor:
+    """The chunks' rows (each in its own send order, as :func:`dispatch_chunk` took them) back in
+    the sender's order, ``[out_rows, D]``: one gather, computed on the device (no host read)."""
+    chunks, e = len(parts), send_counts.numel()
+    el = e // ep
+    dev = send_counts.device
+    bounds = [chunk_bounds(el, c, chunks) for c in range(chunks)]
+    # per expert: its (chunk, destination rank) block, and the block's first expert (static tables)
+    block = torch.tensor([c * ep + r for r in range(ep) for c, (lo, hi) in enumerate(bounds) for _ in range(lo, hi)],
+                         device=dev)
+    first = torch.tensor([r * el + bounds[c][0] for c in range(chunks) for r in range(ep)], device=dev)
+    per_block = torch.zeros(chunks * ep, dtype=send_counts.dtype, device=dev).index_add_(0, block, send_counts)
+    block_start = torch.cumsum(per_block, 0) - per_block  # where each block begins in the parts' concatenation
+    expert_start = torch.cumsum(send_counts, 0) - send_counts  # where each expert begins in the sender's order
+    offset = block_start[block] - expert_start[first[block]]  # sender row -> concatenation row, per expert
+    row_expert = torch.repeat_interleave(torch.arange(e, device=dev), send_counts, output_size=out_rows)
+    src = torch.arange(out_rows, device=dev) + offset[row_expert]
+    return torch.cat(parts).index_select(0, src)

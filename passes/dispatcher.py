@@ -211,7 +211,7 @@ def _sizes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int))
 
 
-def _propagate(gm: torch.fx.GraphModule) -> None:
+def propagate_fake_values(gm: torch.fx.GraphModule) -> None:
     """Recompute every ``meta["val"]`` with the capture's fake mode."""
     for node in _sizes(gm):  # e.g. the backward dispatch's old row count, now unused
         if not node.users:
@@ -335,7 +335,7 @@ def dispatcher(gm: torch.fx.GraphModule, backend: str = "auto", capacity_factor:
             )
         return Lowering(chosen)
     overflow = rewrite_sites(gm, sites, chosen)
-    _propagate(gm)
+    propagate_fake_values(gm)
     check_row_wise(gm)
     _fold_sizes(gm)
     return Lowering(chosen, overflow)

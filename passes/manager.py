@@ -1,6 +1,6 @@
 """The pass manager: the list of passes, in one place for both entry points (not a pass itself).
 
-    dispatcher ─ tag ─ side ─ rng ─ recompute ─ split ─ cudagraph ─ inductor   (phase "stages": once per plan)
+    dispatcher ─ tag ─ side ─ rng ─ chunk ─ recompute ─ split ─ cudagraph ─ inductor   (phase "stages": once per plan)
     schedule ─ reduce ─ streams ─ free                                      (phase "program": once per microbatch count)
 
 :data:`PASSES` is that list: named passes of one signature, ``Pass.run(state: PassState) -> None``,
@@ -43,6 +43,7 @@ from fxoverlap.ir.meta import SAVED_COMM_KEY, STEP_KEY
 from fxoverlap.ir.program import free as free_op
 from fxoverlap.ir.program import record_event, wait_event
 from fxoverlap.ir.stage import Stage, format_stage_table
+from fxoverlap.passes.chunk import chunk
 from fxoverlap.passes.cudagraph import cudagraph
 from fxoverlap.passes.dispatcher import dispatcher
 from fxoverlap.passes.free import free
@@ -122,6 +123,15 @@ def _rng(st: PassState) -> None:
     st.graph = rng(st.graph, st.capture.num_layers)
 
 
+def _chunk(st: PassState) -> None:
+    cut = chunk(st.graph, st.config.resolved_chunks(st.device_type))
+    st.graph = cut.graph
+    if cut.skipped:
+        whys = "; ".join(f"layer {layer}: {why}" for layer, why in cut.skipped.items())
+        _progress(f"fxoverlap: chunks={cut.chunks} cut layers {cut.layers or 'none'}; left whole: {whys}",
+                  show=st.config.progress)
+
+
 def _recompute(st: PassState) -> None:
     cfg = st.config
     st.graph = recompute(st.graph, st.capture.num_layers, cfg.mhc_recompute_group, replay_comm=cfg.ac_replay_comm)
@@ -177,6 +187,10 @@ PASSES: tuple[Pass, ...] = (
          skip=lambda st: None if st.config.side_stages else "OverlapConfig.side_stages=False"),
     Pass("rng", "stages", _rng, False,
          "orders the random draws as eager does; without it dropout/sampling differ from eager"),
+    Pass("chunk", "stages", _chunk, True,
+         "only cuts each MoE layer's exchange into chunks along its experts; off = OverlapConfig(chunks=1)",
+         skip=lambda st: None if st.config.resolved_chunks(st.device_type) > 1
+         else f"chunks={st.config.resolved_chunks(st.device_type)}"),
     Pass("recompute", "stages", _recompute, False,
          "places activation-checkpoint and mHC recompute; with either, the graph is wrong without it",
          skip=lambda st: None if st.train else "forward only"),

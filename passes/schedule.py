@@ -75,7 +75,7 @@ from fxoverlap.ir import program as program_ops
 from fxoverlap.ir.capture import Capture
 from fxoverlap.ir.meta import PROGRAM_KEY, STEP_KEY
 from fxoverlap.ir.program import Program, StageCall, Step, add_marker
-from fxoverlap.ir.stage import LAYER_KIND_ORDER, RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind
+from fxoverlap.ir.stage import RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind, stage_name
 from fxoverlap.passes.rng import RngOrderError
 from fxoverlap.ir.errors import FxOverlapError, InternalError
 
@@ -94,9 +94,8 @@ class _Emitter:
             if s.part is Part.MAIN:
                 self.main.setdefault((s.direction, s.layer, s.kind), []).append(s)
         for s in stages:
-            if s.part is not Part.MAIN:
-                parent = self.main[(s.direction, s.layer, s.kind)][0]
-                self.parts[(parent.name, s.part)] = s
+            if s.part is not Part.MAIN:  # its parent: the main stage of its chunk
+                self.parts[(stage_name(s.tag.with_part(Part.MAIN)), s.part)] = s
         self.sinks = (
             (program_ops.output, set(capture.outputs)),
             (program_ops.accumulate, set(capture.grads)),
@@ -141,23 +140,39 @@ class _Emitter:
                            name=f"{marker.__name__}_{node.name}")
 
     # ---- plain orders (F(0), the forward-only program, the drain B(N-1))
+    def chain(self, direction: Direction, layer: int) -> list[Stage]:
+        """A layer's exchange -> experts -> exchange in issue order, with the attn part that runs
+        under the first exchange. Cut into chunks (``chunk``), chunk c+1's first exchange is
+        issued right after chunk c's experts and chunk c's second exchange right after it, so
+        the comm stream runs first(c+1) under experts(c) and second(c) under experts(c+1)."""
+        first_kind, last_kind = (K.DISPATCH, K.COMBINE) if direction is F else (K.COMBINE, K.DISPATCH)
+        first, mid, last = (self.get(direction, layer, k) for k in (first_kind, K.EXPERTS, last_kind))
+        under = self.part(self.get(direction, layer, K.ATTN), Part.SIDE if direction is F else Part.EARLY)
+        if len(first) != len(mid) or len(mid) != len(last) or len(mid) <= 1:
+            return first + under + mid + last
+        order = first[:1] + under
+        for c, experts in enumerate(mid):
+            order += [experts] + first[c + 1:c + 2] + [last[c]]
+        return order
+
+    def layer_order(self, direction: Direction, layer: int) -> list[Stage]:
+        """One layer's stages in plain order (the backward's reversed), the exchanges as :meth:`chain` issues them."""
+        kinds = (K.ATTN, None, K.MLP, K.POST)  # None: the chain
+        if direction is B:
+            kinds = kinds[::-1]
+        return [s for k in kinds for s in (self.chain(direction, layer) if k is None else self.get(direction, layer, k))]
+
     def forward(self, mb: int, num_layers: int) -> None:
         self.emit(self.get(F, -1, K.EMBED), mb)
         for layer in range(num_layers):
-            for kind in LAYER_KIND_ORDER:
-                self.emit(self.get(F, layer, kind), mb)
-                if kind is K.DISPATCH:  # issued: the side part runs under it
-                    self.emit(self.part(self.get(F, layer, K.ATTN), Part.SIDE), mb)
+            self.emit(self.layer_order(F, layer), mb)
         self.emit(self.get(F, num_layers, K.HEAD), mb)
 
     def backward(self, mb: int, num_layers: int) -> None:
         """What is left of B(mb), in plain order, each wgrad part after the next comm stage."""
         order = list(self.get(B, num_layers, K.HEAD))
         for layer in reversed(range(num_layers)):
-            for kind in reversed(LAYER_KIND_ORDER):
-                order += self.get(B, layer, kind)
-                if kind is K.COMBINE:  # issued: the early part runs under it
-                    order += self.part(self.get(B, layer, K.ATTN), Part.EARLY)
+            order += self.layer_order(B, layer)
         order += self.get(B, -1, K.EMBED)
         comm_left = sum(s.stream is StreamKind.COMM for s in order)
         pending: list[Stage] = []  # wgrad parts waiting for the next comm stage

@@ -90,27 +90,32 @@ class Tag:
     """Where a node belongs: (direction, layer, kind, part). ``layer`` is -1 for embed
     and ``num_layers`` for head, so the plain execution order is the sort order.
     ``phase`` orders a group's recompute stages when its replay includes all-to-alls
-    (``recompute``): compute of phase p, then the all-to-alls of phase p, then p + 1."""
+    (``recompute``): compute of phase p, then the all-to-alls of phase p, then p + 1.
+    ``chunk``: which chunk of a layer's dispatch/experts/combine (``chunk``), None when the
+    layer is not cut into chunks."""
 
     direction: Direction
     layer: int
     kind: StageKind
     part: Part = Part.MAIN
     phase: int = 0
+    chunk: int | None = None
 
-    def sort_key(self, num_layers: int) -> tuple[int, int, int, int, int]:
+    def sort_key(self, num_layers: int) -> tuple[int, int, int, int, int, int]:
         kind_rank, part_rank = _KIND_RANK[self.kind], _PART_RANK[self.part]
         step = 2 * self.phase + (self.kind is StageKind.RECOMPUTE_COMM)
+        chunk = self.chunk or 0
         if self.direction is Direction.FWD:
-            return (0, self.layer, kind_rank, step, part_rank)
+            return (0, self.layer, kind_rank, chunk, step, part_rank)
         # backward: head first, layers descending, kinds reversed, embed last
-        return (1, num_layers - self.layer, -kind_rank, step, part_rank)
+        return (1, num_layers - self.layer, -kind_rank, chunk, step, part_rank)
 
     def with_part(self, part: Part) -> Tag:
         return dataclasses.replace(self, part=part)
 
     def __str__(self) -> str:
         return (f"{self.direction}:{self.layer}:{self.kind}" + (f"{self.phase}" if self.phase else "")
+                + (f":c{self.chunk}" if self.chunk is not None else "")
                 + (f":{self.part}" if self.part is not Part.MAIN else ""))
 
 
@@ -118,7 +123,8 @@ def stage_name(tag: Tag) -> str:
     layer = "model" if tag.kind in (StageKind.EMBED, StageKind.HEAD) or tag.layer < 0 else f"l{tag.layer}"
     suffix = f"_{tag.part}" if tag.part is not Part.MAIN else ""
     phase = str(tag.phase) if tag.phase else ""
-    return f"{tag.direction}_{layer}_{tag.kind}{phase}{suffix}"
+    chunk = f"_c{tag.chunk}" if tag.chunk is not None else ""
+    return f"{tag.direction}_{layer}_{tag.kind}{phase}{chunk}{suffix}"
 
 
 @dataclasses.dataclass(eq=False)
@@ -161,6 +167,10 @@ class Stage:
         return self.tag.part
 
     @property
+    def chunk(self) -> int | None:
+        return self.tag.chunk
+
+    @property
     def stream(self) -> StreamKind:
         return stream_of(self.tag.kind)
 
@@ -200,7 +210,8 @@ def format_stage_table(stages: Sequence[Stage]) -> str:
     runs (``inductor`` / ``eager`` / ``graphed``), and whether a CUDA graph can hold it."""
     rows = [("stage", "layer", "kind", "dir", "stream", "ops", "in", "out", "runs", "capturable")]
     for s in stages:
-        rows.append((s.name, str(s.layer), str(s.kind), str(s.direction), str(s.stream),
+        kind = str(s.kind) if s.chunk is None else f"{s.kind} c{s.chunk}"
+        rows.append((s.name, str(s.layer), kind, str(s.direction), str(s.stream),
                      str(len(s.op_list())), str(len(s.inputs)), str(len(s.outputs)), s.runs_as,
                      "yes" if s.capturable else f"no: {s.not_capturable_reason.split(': ', 1)[-1]}"))
     return render_rows(rows)

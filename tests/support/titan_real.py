@@ -167,7 +167,7 @@ def full_activation_checkpointing(model: nn.Module) -> nn.Module:
 
 
 def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: bool = False,
-                   wrap=lambda model: model) -> dict:
+                   wrap=lambda model: model, config: dict | None = None) -> dict:
     """``engine.forward_backward`` over ``n`` microbatches vs eager ``loss.backward()`` per
     microbatch, on two copies of the same model built from the same seed (then ``wrap``ped)."""
     eager, model = wrap(build(family, ep)), wrap(build(family, ep))
@@ -178,9 +178,9 @@ def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: boo
         loss.backward()
         ref_losses.append(loss.detach())
     group = dist.group.WORLD if ep > 1 else None
-    engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(delay_wgrad=delay_wgrad))
+    engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(delay_wgrad=delay_wgrad, **(config or {})))
     losses = engine.forward_backward(mbs, loss_fn=next_token_loss)
-    return dict(losses_equal=[torch.equal(a, b) for a, b in zip(losses, ref_losses)], **compare(model, eager),
+    return dict(stage_names=[s.name for s in engine.stages], losses_equal=[torch.equal(a, b) for a, b in zip(losses, ref_losses)], **compare(model, eager),
                 **comm_placement(engine), wgrad_stages=sum(1 for s in engine.stages if s.wgrad_of),
                 eager_counted={k: float(_local(b).sum()) for k, b in eager.named_buffers() if "tokens_per_expert" in k})
 

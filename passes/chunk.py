@@ -1,0 +1,317 @@
+"""chunk: cut each MoE layer's dispatch -> experts -> combine into K chunks along its local experts.
+
+Why: with one microbatch in flight (the ``torch.compile`` backend, F(0) and B(N-1) of the
+1F1B program, forward-only calls) nothing else can run under a layer's all-to-alls. Cut
+into chunks, chunk c+1's dispatch runs under chunk c's experts, and chunk c's combine under
+chunk c+1's experts (``schedule`` issues them so).
+
+Why local experts and not tokens (docs/design.md, "Chunks"): everything that reduces over
+the microbatch's tokens (the router, its statistics and auxiliary losses, load-balance
+buffers, the loss) lies before the dispatch or after the combine and still runs once on all
+tokens; each expert's rows travel in exactly one chunk, so its weight gradient is one sum
+over its rows, as in eager (the other chunks add exact zeros); no random op is split.
+
+Contract
+--------
+Assumes: the tagged joint graph (``tag``, ``side``, ``rng``), or the forward alone. A layer
+is cut when its exchange is fxoverlap's generic pair (``fxoverlap::dispatch`` /
+``fxoverlap::combine``, lowered by the ``all_to_all`` dispatcher): its dispatch and combine
+stages hold only those ops, its experts read only the dispatch's outputs, parameters and
+(backward) the saved forward experts values and the gradient the backward combine brings,
+its experts are read only by the combine, the backward and (backward) the parameter
+gradients, it has at least K local experts, its experts draw no random numbers, and no
+experts op reduces over the received rows except into parameter gradients.
+
+Guarantees: for every layer it cuts, chunk c's stages (``Tag.chunk = c``): dispatch
+(``fxoverlap::dispatch_chunk``: the rows of the chunk's experts, the other experts' counts
+zeroed), experts (a clone of the layer's experts subgraph: the grouped GEMM gives the other
+local experts zero rows), combine (``fxoverlap::combine_chunk``); in the backward the same
+ops on the gradients and a clone of the backward experts. The combine's output and the
+gradient of the dispatch's input are the same rows in the same order as before
+(``fxoverlap::merge_chunks``, a gather, in the last chunk's comm stage), and each gradient
+the experts hand out is the sum of the chunks' (same value names, so the capture's roles
+hold). Nodes outside the chains are not touched. A layer it cannot cut stays as it was;
+:attr:`Chunking.skipped` says why, per layer. Every new node gets its fake value.
+
+Steps
+-----
+1. Find each layer's chain and check that it can be cut (:func:`_find_chain`).
+2. Per chunk, write the forward chain, then the backward chain (:func:`_cut`).
+3. Merge: ``merge_chunks`` for the rows, a sum for each gradient; erase the old chain.
+4. Fake values for the whole graph (the capture's fake mode); check that the cloned
+   experts are row-wise (:func:`_row_wise`); a layer that is not is put back
+   (the pass reruns on the original graph without it).
+
+Entry point: ``chunk(gm, chunks) -> Chunking``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from fxoverlap.ir.meta import RNG_ORDER_KEY, TAG_KEY, op_name
+from fxoverlap.ir.stage import Direction, StageKind, Tag
+from fxoverlap.kernels import a2a
+from fxoverlap.ops import COMBINE_CHUNK_OP, COMBINE_OP, DISPATCH_CHUNK_OP, DISPATCH_OP, MERGE_CHUNKS_OP
+from fxoverlap.passes.dispatcher import propagate_fake_values
+
+F, B, K = Direction.FWD, Direction.BWD, StageKind
+_FAKE_KEYS = ("val", "tensor_meta", "unbacked_bindings")
+
+
+@dataclasses.dataclass
+class Chunking:
+    """What :func:`chunk` did: the graph, the layers it cut, and why it left the others."""
+
+    graph: torch.fx.GraphModule
+    chunks: int
+    layers: list[int]
+    skipped: dict[int, str]
+
+
+@dataclasses.dataclass
+class _Chain:
+    layer: int
+    dispatch: torch.fx.Node  # forward fxoverlap::dispatch
+    received: torch.fx.Node  # its getitem 0
+    recv_counts: torch.fx.Node  # its getitem 1
+    combine: torch.fx.Node  # forward fxoverlap::combine
+    fwd_experts: list[torch.fx.Node]
+    # the backward (None in a forward-only graph): fxoverlap::dispatch of the combine's gradient,
+    # its getitem 0, the backward experts, fxoverlap::combine of the received rows' gradient
+    bwd_dispatch: torch.fx.Node | None = None
+    bwd_grad: torch.fx.Node | None = None
+    bwd_experts: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    bwd_combine: torch.fx.Node | None = None
+
+    @property
+    def ep(self) -> int:
+        return a2a.world_size(a2a.resolve_group(self.dispatch.args[2]))
+
+
+def _tag(n: torch.fx.Node) -> Tag | None:
+    return n.meta.get(TAG_KEY)
+
+
+def _getitems(n: torch.fx.Node) -> dict[int, torch.fx.Node]:
+    return {u.args[1]: u for u in n.users if u.target is operator.getitem}
+
+
+def _one(nodes: list[torch.fx.Node], op, what: str) -> torch.fx.Node:
+    calls = [n for n in nodes if n.target is op]
+    rest = [n for n in nodes if n.target is not op and not (n.target is operator.getitem and n.args[0] in calls)]
+    if len(calls) != 1 or rest:
+        found = ", ".join(f"{n.name} ({op_name(n)})" for n in nodes) or "nothing"
+        raise _CannotCut(f"its {what} stage is not one fxoverlap.{op._schema.name.split('::')[1]} "
+                         f"(found {found}): only fxoverlap's generic dispatch/combine (dispatcher='all_to_all') "
+                         f"is cut into chunks")
+    return calls[0]
+
+
+class _CannotCut(Exception):
+    """Why a layer stays whole (internal: the pass reports it, never raises it)."""
+
+
+def _find_chain(by_tag: dict[tuple, list[torch.fx.Node]], layer: int, chunks: int) -> _Chain:
+    """Step 1: the layer's chain, or ``_CannotCut`` with the reason."""
+    def nodes(direction, kind):
+        return by_tag.get((direction, layer, kind), [])
+
+    d = _one(nodes(F, K.DISPATCH), DISPATCH_OP, "forward dispatch")
+    c = _one(nodes(F, K.COMBINE), COMBINE_OP, "forward combine")
+    items = _getitems(d)
+    if d.args[3] is not None or set(items) != {0, 1}:
+        raise _CannotCut(f"its dispatch {d.name} is not a forward dispatch with both outputs read")
+    chain = _Chain(layer, d, items[0], items[1], c, nodes(F, K.EXPERTS))
+    el = d.args[1].meta["val"].shape[0] // chain.ep
+    if el < chunks:
+        raise _CannotCut(f"it has {el} local expert(s), fewer than chunks={chunks} (chunks are cut along local experts)")
+    if c.args[1] is not chain.recv_counts or c.args[2] is not d.args[1]:
+        raise _CannotCut(f"its combine {c.name} does not take the dispatch's counts")
+    if nodes(B, K.COMBINE) or nodes(B, K.DISPATCH):
+        chain.bwd_dispatch = _one(nodes(B, K.COMBINE), DISPATCH_OP, "backward combine")
+        chain.bwd_combine = _one(nodes(B, K.DISPATCH), COMBINE_OP, "backward dispatch")
+        grads = _getitems(chain.bwd_dispatch)
+        if set(grads) - {0, 1} or 0 not in grads:
+            raise _CannotCut(f"its backward exchange {chain.bwd_dispatch.name} hands out more than rows")
+        chain.bwd_grad = grads[0]
+        chain.bwd_experts = nodes(B, K.EXPERTS)
+        bd, bc = chain.bwd_dispatch, chain.bwd_combine
+        if bd.args[1] is not d.args[1] or bd.args[3] is not chain.recv_counts \
+                or bc.args[1] is not chain.recv_counts or bc.args[2] is not d.args[1]:
+            raise _CannotCut("its backward exchanges do not take the forward dispatch's counts")
+    _check_boundaries(chain)
+    return chain
+
+
+def _check_boundaries(chain: _Chain) -> None:
+    fwd, bwd = set(chain.fwd_experts), set(chain.bwd_experts)
+    for n in chain.fwd_experts + chain.bwd_experts:
+        if RNG_ORDER_KEY in n.meta:
+            raise _CannotCut(f"its experts draw random numbers ({n.name}, {op_name(n)}): chunks would change "
+                             f"what they draw")
+    outside_in = {chain.received, chain.recv_counts}
+    for n in chain.fwd_experts:
+        for a in n.all_input_nodes:
+            if a not in fwd and a not in outside_in and a.op not in ("placeholder", "get_attr"):
+                raise _CannotCut(f"its experts read {a.name} ({op_name(a)}), which is neither the dispatch's "
+                                 f"output nor a parameter")
+        for u in n.users:
+            if u not in fwd and u not in bwd and u is not chain.combine and u is not chain.bwd_dispatch:
+                raise _CannotCut(f"{n.name} ({op_name(n)}) of its experts is read by {u.name} ({op_name(u)}) "
+                                 f"outside the dispatch -> experts -> combine chain")
+    if chain.combine.args[0] not in fwd:
+        raise _CannotCut("its combine does not take the experts' output")
+    for n in chain.bwd_experts:
+        for a in n.all_input_nodes:
+            if a not in bwd and a not in fwd and a not in outside_in and a is not chain.bwd_grad \
+                    and a.op not in ("placeholder", "get_attr"):
+                raise _CannotCut(f"its backward experts read {a.name} ({op_name(a)}) from outside the chain")
+        for u in n.users:
+            if u not in bwd and u is not chain.bwd_combine and u.op != "output":
+                raise _CannotCut(f"{n.name} ({op_name(n)}) of its backward experts is read by {u.name} "
+                                 f"({op_name(u)}) outside the chain")
+    if chain.bwd_combine is not None and chain.bwd_combine.args[0] not in bwd:
+        raise _CannotCut("its backward dispatch does not take the backward experts' output")
+
+
+def _new(graph: torch.fx.Graph, target, args: tuple, tag: Tag, like: torch.fx.Node) -> torch.fx.Node:
+    n = graph.call_function(target, args)
+    n.meta = {k: v for k, v in like.meta.items() if k not in _FAKE_KEYS}
+    n.meta[TAG_KEY] = tag
+    return n
+
+
+def _copy(graph: torch.fx.Graph, n: torch.fx.Node, env: dict, chunk: int) -> torch.fx.Node:
+    new = graph.node_copy(n, lambda a: env.get(a, a))
+    for k in _FAKE_KEYS:
+        new.meta.pop(k, None)
+    new.meta[TAG_KEY] = dataclasses.replace(n.meta[TAG_KEY], chunk=chunk)
+    env[n] = new
+    return new
+
+
+def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
+    """Steps 2 and 3 for one layer."""
+    g, d, L, last = gm.graph, chain.dispatch, chain.layer, chunks - 1
+    x, counts, group = d.args[0], d.args[1], d.args[2]
+    envs: list[dict] = []
+    with g.inserting_before(chain.combine):
+        parts = []
+        for c in range(chunks):
+            dc = _new(g, DISPATCH_CHUNK_OP, (x, counts, group, None, -1, c, chunks), Tag(F, L, K.DISPATCH, chunk=c), d)
+            env = {chain.received: _new(g, operator.getitem, (dc, 0), Tag(F, L, K.DISPATCH, chunk=c), chain.received),
+                   chain.recv_counts: _new(g, operator.getitem, (dc, 1), Tag(F, L, K.DISPATCH, chunk=c),
+                                           chain.recv_counts)}
+            for n in chain.fwd_experts:
+                _copy(g, n, env, c)
+            # the chunk's received rows, which its backward exchange promises to return
+            env["rows"] = _new(g, torch.ops.aten.sym_size.int, (env[chain.received], 0),
+                               Tag(F, L, K.EXPERTS, chunk=c), chain.received)
+            parts.append(_new(g, COMBINE_CHUNK_OP, (env[chain.combine.args[0]], env[chain.recv_counts], counts, group,
+                                                    c, chunks), Tag(F, L, K.COMBINE, chunk=c), chain.combine))
+            envs.append(env)
+        merged = _new(g, MERGE_CHUNKS_OP, (parts, counts, chain.ep, chain.combine.args[4]),
+                      Tag(F, L, K.COMBINE, chunk=last), chain.combine)
+    chain.combine.replace_all_uses_with(merged)
+    old = [d, chain.received, chain.recv_counts, *chain.fwd_experts, chain.combine]
+    if chain.bwd_dispatch is not None:
+        bd, bc = chain.bwd_dispatch, chain.bwd_combine
+        grad_rows = bd.args[0]
+        grads = [n for n in chain.bwd_experts if any(u.op == "output" for u in n.users)]
+        with g.inserting_before(bc):
+            parts = []
+            for c, env in enumerate(envs):
+                dc = _new(g, DISPATCH_CHUNK_OP, (grad_rows, counts, group, env[chain.recv_counts], env["rows"], c,
+                                                 chunks), Tag(B, L, K.COMBINE, chunk=c), bd)
+                env[chain.bwd_grad] = _new(g, operator.getitem, (dc, 0), Tag(B, L, K.COMBINE, chunk=c), chain.bwd_grad)
+                for n in chain.bwd_experts:
+                    _copy(g, n, env, c)
+                parts.append(_new(g, COMBINE_CHUNK_OP, (env[bc.args[0]], env[chain.recv_counts], counts, group, c,
+                                                        chunks), Tag(B, L, K.DISPATCH, chunk=c), bc))
+            merged = _new(g, MERGE_CHUNKS_OP, (parts, counts, chain.ep, bc.args[4]),
+                          Tag(B, L, K.DISPATCH, chunk=last), bc)
+            for n in grads:  # the old node becomes the sum, so the capture's name for the gradient holds
+                total = envs[0][n]
+                for env in envs[1:-1]:
+                    total = _new(g, torch.ops.aten.add.Tensor, (total, env[n]), Tag(B, L, K.EXPERTS, chunk=last), n)
+                bc.prepend(n)
+                n.target, n.args, n.kwargs = torch.ops.aten.add.Tensor, (total, envs[-1][n]), {}
+                for k in _FAKE_KEYS:
+                    n.meta.pop(k, None)
+                n.meta[TAG_KEY] = dataclasses.replace(n.meta[TAG_KEY], chunk=last)
+        bc.replace_all_uses_with(merged)
+        old += [bd, *_getitems(bd).values(), *(n for n in chain.bwd_experts if n not in grads), bc]
+    for n in sorted(old, key=_position(gm), reverse=True):
+        g.erase_node(n)
+
+
+def _position(gm: torch.fx.GraphModule):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return order.__getitem__
+
+
+def _row_wise(gm: torch.fx.GraphModule, layer: int) -> str | None:
+    """Step 4: why the cut layer's experts are not row-wise, or None. A clone that turns the
+    chunk's rows into a value without them reduces over rows: allowed only where what it
+    computes reaches nothing but rows-free values (the parameter gradients)."""
+    def rows(n):
+        return bool(free_unbacked_symbols(n.meta.get("val")))
+
+    for n in gm.graph.nodes:
+        t = _tag(n)
+        if t is None or t.layer != layer or t.chunk is None or t.kind is not K.EXPERTS or n.op != "call_function":
+            continue
+        if n.target is torch.ops.aten.sym_size.int or rows(n) or not any(rows(a) for a in n.all_input_nodes):
+            continue
+        if t.direction is F or any(rows(u) for u in _descendants(n)):
+            return (f"{n.name} ({op_name(n)}) of its experts reduces over the received rows, which a chunk holds "
+                    f"only some of")
+    return None
+
+
+def _descendants(n: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, todo = set(), list(n.users)
+    while todo:
+        u = todo.pop()
+        if u not in seen and u.op == "call_function":
+            seen.add(u)
+            todo.extend(u.users)
+    return seen
+
+
+def chunk(gm: torch.fx.GraphModule, chunks: int) -> Chunking:
+    """Cut every layer that can be cut into ``chunks`` chunks along its local experts."""
+    if chunks <= 1:
+        return Chunking(gm, 1, [], {})
+    skipped: dict[int, str] = {}
+    while True:
+        out = copy.deepcopy(gm)
+        by_tag: dict[tuple, list[torch.fx.Node]] = {}
+        for n in out.graph.nodes:
+            if (t := _tag(n)) is not None:
+                by_tag.setdefault((t.direction, t.layer, t.kind), []).append(n)
+        layers = sorted({t.layer for n in out.graph.nodes if (t := _tag(n)) is not None and t.kind is K.DISPATCH})
+        cut = []
+        for layer in layers:
+            if layer in skipped:
+                continue
+            try:
+                chain = _find_chain(by_tag, layer, chunks)
+            except _CannotCut as why:
+                skipped[layer] = str(why)
+                continue
+            _cut(out, chain, chunks)
+            cut.append(layer)
+        out.recompile()
+        propagate_fake_values(out)
+        bad = {layer: why for layer in cut if (why := _row_wise(out, layer)) is not None}
+        if not bad:
+            return Chunking(out, chunks, cut, dict(sorted(skipped.items())))
+        skipped.update(bad)

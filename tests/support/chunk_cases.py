@@ -1,0 +1,164 @@
+"""Workers for tests/test_chunks.py (spawned ranks import this module by name)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import fxoverlap
+from fxoverlap.ir.meta import STEP_KEY
+from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.testing import eager_steps, grad_diff, take_grads
+from numerics_cases import make_batches
+
+# 8 experts: 4 local experts per rank on 2 ranks, so 2, 3 and 4 chunks can be cut
+CFG = dict(n_layers=2, dim=32, n_heads=2, n_experts=8, expert_dim=16, vocab_size=64)
+
+
+def _model(group, cfg: dict) -> MoETransformer:
+    torch.manual_seed(0)
+    return MoETransformer(MoEConfig.tiny(**{**CFG, **cfg}), group)
+
+
+def _compare(losses, ref_losses, model, ref) -> dict:
+    diff, scale, bitwise = grad_diff(model, ref)
+    model.zero_grad(set_to_none=True)
+    return dict(losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
+                loss_rel=max(((a - b).abs() / b.abs()).item() for a, b in zip(losses, ref_losses)),
+                grad_rel=diff / scale, grads_bitwise=bitwise)
+
+
+def _stages(stages) -> list[tuple]:
+    return [(s.name, str(s.kind), str(s.direction), s.layer, s.chunk) for s in stages]
+
+
+def _calls(program) -> list[str]:
+    """The program's stage calls, in issue order."""
+    return [n.name for n in program.graph.nodes if n.op == "call_module" and STEP_KEY in n.meta]
+
+
+def optimize_vs_eager(rank: int, world: int, variants: list[dict]) -> list[dict]:
+    """``optimize`` with chunks against eager on the same model and data, per variant and microbatch count."""
+    out = []
+    for v in variants:
+        model = _model(dist.group.WORLD, v.get("cfg", {}))
+        config = fxoverlap.OverlapConfig(**{"compiler": "eager", **v.get("config", {})})
+        engine = fxoverlap.optimize(model, dist.group.WORLD, config)
+        for n in v["ns"]:
+            mbs = make_batches(rank, CFG["vocab_size"], n, seed=n)
+            ref_losses = eager_steps(model, mbs)
+            ref = take_grads(model)
+            losses = engine.forward_backward(mbs)
+            out.append(dict(variant=v, n=n, stages=_stages(engine.stages), calls=_calls(engine.program),
+                            table=engine.stage_table(), **_compare(losses, ref_losses, model, ref)))
+    return out
+
+
+def backend_vs_eager(rank: int, world: int, options: dict) -> dict:
+    """``torch.compile(model, backend="fxoverlap", options=...)``, one microbatch per call."""
+    torch._dynamo.reset()
+    model = _model(dist.group.WORLD, {})
+    mbs = make_batches(rank, CFG["vocab_size"], 3)
+    ref_losses = eager_steps(model, mbs)
+    ref = take_grads(model)
+    compiled = torch.compile(model, backend="fxoverlap", options=options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = eager_steps(compiled, mbs)
+    fallbacks = [str(w.message) for w in caught if w.category.__name__ == "FallbackWarning"]
+    return dict(fallbacks=fallbacks, stages=_stages(fxoverlap.backend.last_stages()),
+                **_compare(losses, ref_losses, model, ref))
+
+
+def forward_only(rank: int, world: int, chunks: int) -> dict:
+    """Inference: ``engine(x)`` and the backend under ``no_grad`` / ``eval`` against eager logits."""
+    torch._dynamo.reset()
+    model = _model(dist.group.WORLD, {})
+    xs = [tokens for tokens, _ in make_batches(rank, CFG["vocab_size"], 2)]
+    with torch.no_grad():
+        want = [model(x) for x in xs]
+        engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(compiler="eager", chunks=chunks))
+        got = [engine(x) for x in xs]
+        engine_stages = _stages(engine.stages)
+        model.eval()
+        compiled = torch.compile(model, backend="fxoverlap", options={"chunks": chunks})
+        backend = [compiled(x) for x in xs]
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    return dict(engine_rel=max(rel(a, b) for a, b in zip(got, want)),
+                engine_bitwise=all(torch.equal(a, b) for a, b in zip(got, want)),
+                backend_rel=max(rel(a, b) for a, b in zip(backend, want)),
+                engine_stages=engine_stages, backend_stages=_stages(fxoverlap.backend.last_stages()))
+
+
+def random_experts(rank: int, world: int) -> dict:
+    """A model whose experts draw (dropout): the layers stay whole, the draws stay eager's."""
+    from rng_cases import CFG as RCFG, SEED
+    from rng_models import RandomTransformer
+
+    torch.manual_seed(0)
+    model = RandomTransformer(MoEConfig.tiny(**RCFG), dist.group.WORLD)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    log = logging.getLogger("fxoverlap.pipeline")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(compiler="eager", chunks=2))
+        mbs = make_batches(rank, RCFG["vocab_size"], 2)
+        torch.manual_seed(SEED)
+        ref_losses = eager_steps(model, mbs)
+        ref, state = take_grads(model), torch.get_rng_state()
+        torch.manual_seed(SEED)
+        losses = engine.forward_backward(mbs)
+        generator_equal = torch.equal(state, torch.get_rng_state())
+    finally:
+        log.removeHandler(handler)
+    return dict(stages=_stages(engine.stages), log=[r for r in records if "chunks=" in r],
+                generator_equal=generator_equal, **_compare(losses, ref_losses, model, ref))
+
+
+def hf_family(rank: int, world: int, family: str, chunks: int) -> dict:
+    """A Hugging Face family after ``expert_parallel``: optimize and the backend with chunks
+    against the same sharded model run eagerly."""
+    import fxoverlap.backend as fxb
+    from hf_cases import batches, build, eager_losses, next_token_loss
+
+    group = dist.group.WORLD
+    eager = fxoverlap.expert_parallel(build(family), group)
+    mbs = batches(rank, 3)
+    ref_losses = eager_losses(eager, mbs)
+    ref = take_grads(eager)
+    optimized = copy.deepcopy(eager)
+    engine = fxoverlap.optimize(optimized, group, fxoverlap.OverlapConfig(compiler="eager", chunks=chunks))
+    losses = engine.forward_backward(mbs, loss_fn=next_token_loss)
+    row = dict(optimize=dict(stages=_stages(engine.stages), **_compare(losses, ref_losses, optimized, ref)))
+    torch._dynamo.reset()
+    fxb.reset()
+    backend = copy.deepcopy(eager)
+    compiled = torch.compile(backend, backend="fxoverlap", options={"chunks": chunks})
+    losses = eager_losses(compiled, mbs)
+    row["backend"] = dict(stages=_stages(fxb.last_stages()), **_compare(losses, ref_losses, backend, ref))
+    return row
+
+
+def titan_two_ranks(rank: int, world: int) -> dict:
+    """torchtitan's Qwen3-MoE with its own EP (functional all-to-alls): chunks=2 leaves its layers
+    whole and says why; the step stays eager's."""
+    import titan_real
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    log = logging.getLogger("fxoverlap.pipeline")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        r = titan_real.train_vs_eager("qwen3_moe", ep=2, n=2, rank=rank, config={"chunks": 2})
+    finally:
+        log.removeHandler(handler)
+    return dict(r, log=[m for m in records if "chunks=" in m])
