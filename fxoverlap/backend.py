@@ -48,7 +48,9 @@ Fallback: anything the backend cannot handle (dynamic-shape graph inputs, a
 graph output that is not a tensor, no output needing grad, a capture/tag/split
 error) makes it return the plain Dynamo GraphModule, which runs like eager, with a
 :class:`FallbackWarning` (also logged) that names the reason. Under
-``torch.no_grad()`` the plain graph runs too, without a warning. When Dynamo broke
+``torch.no_grad()`` (inference) the backend compiles the forward-only program
+(:class:`CompiledForward`: the same passes, chunks and compiled stages, no autograd),
+and falls back the same way. When Dynamo broke
 the graph at a host read (split sizes from ``.tolist()``, :func:`host_read_breaks`), a
 graph without a whole decoder layer falls back with a warning that names the break and
 the fixes (:func:`graph_break_hint`): the static dispatchers, ``capture_scalar_outputs``,
@@ -620,6 +622,44 @@ class CompiledStep:
         return {i: handed.pop(self._grad_of[i], None) for i in inputs}
 
 
+class CompiledForward:
+    """What the backend returns for a graph Dynamo traced under ``torch.no_grad()`` (inference,
+    ``model.eval()`` or not): the forward-only program (chunks, compiled stages, the comm
+    stream), no autograd. ``.stages``, ``.program`` and ``.stage_table()`` as for
+    :class:`CompiledStep`."""
+
+    def __init__(self, gm: torch.fx.GraphModule, capture_: Capture, stages: list[Stage],
+                 program: torch.fx.GraphModule, wrapper: _GraphStep, config: OverlapConfig, device: torch.device):
+        self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
+        self._graphs = GraphCache(config.cuda_graphs)
+        self.runner = make_runner(program, stages, capture_, device, config, grads=None,
+                                  cuda_graphs=self._graphs.get(program, stages, capture_, device))
+        if self.runner.cuda_graphs is not None:
+            _graphed_steps.add(self)
+        index_of = {f"in{i}": i for i in wrapper.diff_index}
+        self._static_src = [(ph, index_of[fqn]) for ph, fqn in capture_.param_placeholders.items()]
+        self._buffers = {ph: wrapper.get_buffer(fqn) for ph, fqn in capture_.buffer_placeholders.items()}
+        self._input_src = list(wrapper.plain_index)
+
+    def stage_table(self) -> str:
+        from fxoverlap.engine import format_stage_table
+
+        return format_stage_table(self.stages)
+
+    def close(self) -> None:
+        """Release this program's CUDA graphs; later calls run without them."""
+        self._graphs.close()
+        self._graphs.enabled = False
+        self.runner.cuda_graphs = None
+
+    def __call__(self, *args):
+        static = dict(self._buffers)
+        static.update((ph, args[i]) for ph, i in self._static_src)
+        state = self.runner.run(static, [[args[i] for i in self._input_src]])
+        outs = state.outputs[0]
+        return tuple(outs.pop(o) for o in self.capture.outputs)
+
+
 # ------------------------------------------------------------------ the backend
 
 
@@ -670,7 +710,7 @@ def graph_break_hint() -> str | None:
     )
 
 
-def _check_supported(gm: torch.fx.GraphModule, example_inputs) -> None:
+def _check_supported(gm: torch.fx.GraphModule, example_inputs, train: bool = True) -> None:
     for i, t in enumerate(example_inputs):
         if not isinstance(t, torch.Tensor):
             raise _Unsupported(
@@ -698,7 +738,7 @@ def _check_supported(gm: torch.fx.GraphModule, example_inputs) -> None:
             f"graph output {bad[0]} is {'None' if evs[bad[0]] is None else type(evs[bad[0]]).__name__}, not a "
             f"tensor; fxoverlap compiles graphs whose outputs are tensors"
         )
-    if not any(ev.requires_grad for ev in evs):
+    if train and not any(ev.requires_grad for ev in evs):
         raise _Unsupported("no output of the graph requires grad (nothing to train)")
 
 
@@ -797,15 +837,17 @@ def backend_config(options: dict | None = None, mode: str | None = None, **kwarg
     return config
 
 
-def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig | None = None) -> CompiledStep:
-    """Build the :class:`CompiledStep` for a Dynamo graph; raises when it cannot."""
+def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig | None = None,
+                 train: bool = True) -> CompiledStep | CompiledForward:
+    """Build the :class:`CompiledStep` for a Dynamo graph (``train=False``: the
+    :class:`CompiledForward` of a graph Dynamo traced under ``no_grad``); raises when it cannot."""
     config = config or OverlapConfig()
     if config.dispatch_capacity_factor is not None:
         raise _Unsupported(
             "dispatch_capacity_factor needs a check of the overflow flags after each step, which "
             "fxoverlap.optimize makes and the torch.compile backend does not; use the worst-case "
             "capacity (the default) under torch.compile, or fxoverlap.optimize")
-    _check_supported(gm, example_inputs)
+    _check_supported(gm, example_inputs, train)
     diff = {n.name for n, t in zip(gm.graph.find_nodes(op="placeholder"), example_inputs) if t.requires_grad}
     infos = annotate_layers(gm, diff, config.layer_container)
     wrapper = _GraphStep(gm, example_inputs)
@@ -813,7 +855,7 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # tag's "no layers found" is reported below
         # the capture pass chooses the layer list among the candidates, as for fxoverlap.optimize
-        cap = capture(wrapper, plain, scalar_loss=False,
+        cap = capture(wrapper, plain, scalar_loss=False, train=train,
                       lists={name: info.num_layers for name, info in infos.items()})
         chosen = cap.layer_choice.container if cap.layer_choice is not None else None
         info = infos[chosen] if chosen is not None else LayerInfo((), [], {}, {})
@@ -831,25 +873,23 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig
             layer_names=[".".join(info.container + (n,)) for n in info.layer_names],
         )
         device = next((t.device for t in example_inputs if t.requires_grad), example_inputs[0].device)
-        stages = build_stages(cap, config, device.type)
+        stages = build_stages(cap, config, device.type, train)
     if info.num_layers == 0 and _has_all_to_all(gm) and (hint := graph_break_hint()) is not None:
         raise _Unsupported(f"no decoder layer in this graph; {hint}")
-    program = build_program(stages, cap, 1, config)
+    program = build_program(stages, cap, 1, config, forward_only=not train)
     if info.num_layers == 0:
         log.warning("fxoverlap backend: no decoder layers found in the graph; one stage per direction, no overlap")
-    return CompiledStep(gm, cap, stages, program, wrapper, config, device)
+    return (CompiledStep if train else CompiledForward)(gm, cap, stages, program, wrapper, config, device)
 
 
 def fxoverlap_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
                       mode: str | None = None, **kwargs):
     """The ``"fxoverlap"`` torch.compile backend (see the module docstring and :func:`backend_config`)."""
     global _last
-    if not torch.is_grad_enabled():
-        log.info("fxoverlap backend: grad mode is off; running the graph as it is")
-        return gm.forward
     config = backend_config(options, mode, **kwargs)
     try:
-        step = compile_step(gm, example_inputs, config)
+        # Dynamo guards on grad mode: a graph traced under no_grad only ever runs under it
+        step = compile_step(gm, example_inputs, config, train=torch.is_grad_enabled())
     except _Unsupported as e:
         return _fallback(gm, str(e))
     except FALLBACK_ERRORS as e:  # a pass could not handle the graph: never a wrong answer

@@ -290,6 +290,7 @@ class Engine:
             self._called.add(sig)
         plan = self._plan(inputs, None, train=False)
         runner = self._runner(plan, 1, train=False)
+        self._last = (plan, 1)
         with overflow_guard(plan.capture, self.model):
             state = runner.run(static_values(plan.capture, self.model), [inputs], on_error=self._abort_group)
         return state.outputs[0][plan.capture.outputs[0]]
@@ -323,12 +324,12 @@ class Engine:
     # ---------------------------------------------------------------- introspection
     @property
     def program(self) -> torch.fx.GraphModule | None:
-        """The program of the last ``forward_backward`` call."""
+        """The program of the last call (``forward_backward`` or ``engine(*inputs)``)."""
         return None if self._last is None else self._last[0].programs[self._last[1]]
 
     @property
     def stages(self) -> list[Stage]:
-        """The stages of the last ``forward_backward`` call, in plain order."""
+        """The stages of the last call (``forward_backward`` or ``engine(*inputs)``), in plain order."""
         return [] if self._last is None else self._last[0].stages
 
     def stage_table(self) -> str:

@@ -142,12 +142,17 @@ class _TrainStep(nn.Module):
 
 
 class _Forward(nn.Module):
-    def __init__(self, model: nn.Module):
+    """The forward alone: one output tensor (``optimize``'s ``engine(*inputs)``), or with
+    ``single=False`` a tuple of them (the backend's Dynamo graphs)."""
+
+    def __init__(self, model: nn.Module, single: bool = True):
         super().__init__()
-        self.model = model
+        self.model, self.single = model, single
 
     def forward(self, *inputs: torch.Tensor):
         out = self.model(*inputs)
+        if not self.single and isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+            return tuple(out)
         if not isinstance(out, torch.Tensor):
             raise CaptureError(f"the model returned {_describe(out)}; fxoverlap's forward-only call "
                                f"handles one output tensor")
@@ -314,7 +319,7 @@ def capture(
     else:  # annotated by the caller (the torch.compile backend, from nn_module_stack)
         candidates, sizes = {}, dict(lists)
     param_children: dict[str, dict[int, set[str]]] = {}
-    step = _TrainStep(model, loss_fn, scalar_loss) if train else _Forward(model)
+    step = _TrainStep(model, loss_fn, scalar_loss) if train else _Forward(model, single=scalar_loss)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()

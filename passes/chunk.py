@@ -268,8 +268,8 @@ def _row_wise(gm: torch.fx.GraphModule, layer: int) -> str | None:
         t = _tag(n)
         if t is None or t.layer != layer or t.chunk is None or t.kind is not K.EXPERTS or n.op != "call_function":
             continue
-        if n.target is torch.ops.aten.sym_size.int or rows(n) or not any(rows(a) for a in n.all_input_nodes):
-            continue
+        if not isinstance(n.meta.get("val"), torch.Tensor) or rows(n) or not any(rows(a) for a in n.all_input_nodes):
+            continue  # sizes and runtime asserts on them hand out no values; row-shaped values are per row
         if t.direction is F or any(rows(u) for u in _descendants(n)):
             return (f"{n.name} ({op_name(n)}) of its experts reduces over the received rows, which a chunk holds "
                     f"only some of")
