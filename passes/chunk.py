@@ -89,6 +89,10 @@ class _Chain:
     bwd_grad: torch.fx.Node | None = None
     bwd_experts: list[torch.fx.Node] = dataclasses.field(default_factory=list)
     bwd_combine: torch.fx.Node | None = None
+    # set by _check_boundaries: the experts nodes cloned per chunk, and the summed gradients
+    fwd_rows: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    bwd_rows: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    summed: list[torch.fx.Node] = dataclasses.field(default_factory=list)
 
     @property
     def ep(self) -> int:
@@ -107,9 +111,10 @@ def _one(nodes: list[torch.fx.Node], op, what: str) -> torch.fx.Node:
     calls = [n for n in nodes if n.target is op]
     rest = [n for n in nodes if n.target is not op and not (n.target is operator.getitem and n.args[0] in calls)]
     if len(calls) != 1 or rest:
-        found = ", ".join(f"{n.name} ({op_name(n)})" for n in nodes) or "nothing"
+        ops = sorted({op_name(n) for n in nodes if n.target is not operator.getitem})
+        found = ", ".join(ops[:4]) + (f" and {len(ops) - 4} more ops" if len(ops) > 4 else "") or "nothing"
         raise _CannotCut(f"its {what} stage is not one fxoverlap.{op._schema.name.split('::')[1]} "
-                         f"(found {found}): only fxoverlap's generic dispatch/combine (dispatcher='all_to_all') "
+                         f"(it runs {found}): only fxoverlap's generic dispatch/combine (dispatcher='all_to_all') "
                          f"is cut into chunks")
     return calls[0]
 
@@ -118,7 +123,7 @@ class _CannotCut(Exception):
     """Why a layer stays whole (internal: the pass reports it, never raises it)."""
 
 
-def _find_chain(by_tag: dict[tuple, list[torch.fx.Node]], layer: int, chunks: int) -> _Chain:
+def _find_chain(by_tag: dict[tuple, list[torch.fx.Node]], layer: int, chunks: int, static: set[str]) -> _Chain:
     """Step 1: the layer's chain, or ``_CannotCut`` with the reason."""
     def nodes(direction, kind):
         return by_tag.get((direction, layer, kind), [])
@@ -146,38 +151,63 @@ def _find_chain(by_tag: dict[tuple, list[torch.fx.Node]], layer: int, chunks: in
         if bd.args[1] is not d.args[1] or bd.args[3] is not chain.recv_counts \
                 or bc.args[1] is not chain.recv_counts or bc.args[2] is not d.args[1]:
             raise _CannotCut("its backward exchanges do not take the forward dispatch's counts")
-    _check_boundaries(chain)
+    _check_boundaries(chain, static)
     return chain
 
 
-def _check_boundaries(chain: _Chain) -> None:
+def _of_weights_only(n: torch.fx.Node, static: set[str]) -> bool:
+    """Whether ``n`` is computed from parameters and buffers alone (a transposed weight): the
+    same value for every chunk."""
+    todo, seen = [n], set()
+    while todo:
+        a = todo.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        if a.op == "placeholder" and a.name not in static:
+            return False
+        todo.extend(a.all_input_nodes)
+    return True
+
+
+def _check_boundaries(chain: _Chain, static: set[str]) -> None:
+    """Which experts nodes work on the chunk's rows (``chain.fwd_rows`` / ``bwd_rows``, cloned per
+    chunk; the rest, e.g. a transposed weight, is shared), and that rows leave the chain only
+    through its exchanges, and (backward) as gradients summed over the chunks (``chain.summed``)."""
     fwd, bwd = set(chain.fwd_experts), set(chain.bwd_experts)
     for n in chain.fwd_experts + chain.bwd_experts:
         if RNG_ORDER_KEY in n.meta:
             raise _CannotCut(f"its experts draw random numbers ({n.name}, {op_name(n)}): chunks would change "
                              f"what they draw")
-    outside_in = {chain.received, chain.recv_counts}
-    for n in chain.fwd_experts:
+    sources = {chain.received, chain.recv_counts} | ({chain.bwd_grad} if chain.bwd_grad is not None else set())
+    rows, todo = set(), [u for s_ in sources for u in s_.users]
+    while todo:  # everything in the experts that depends on what the exchanges bring
+        n = todo.pop()
+        if n in (fwd | bwd) and n not in rows:
+            rows.add(n)
+            todo.extend(n.users)
+    chain.fwd_rows = [n for n in chain.fwd_experts if n in rows]
+    chain.bwd_rows = [n for n in chain.bwd_experts if n in rows]
+    for n in chain.fwd_rows + chain.bwd_rows:
         for a in n.all_input_nodes:
-            if a not in fwd and a not in outside_in and a.op not in ("placeholder", "get_attr"):
-                raise _CannotCut(f"its experts read {a.name} ({op_name(a)}), which is neither the dispatch's "
-                                 f"output nor a parameter")
+            if a not in rows and a not in sources and a not in fwd and a not in bwd and not _of_weights_only(a, static):
+                raise _CannotCut(f"its experts read {a.name} ({op_name(a)}), which is neither what the exchanges "
+                                 f"bring nor computed from parameters alone")
+    for n in chain.fwd_rows:
         for u in n.users:
             if u not in fwd and u not in bwd and u is not chain.combine and u is not chain.bwd_dispatch:
                 raise _CannotCut(f"{n.name} ({op_name(n)}) of its experts is read by {u.name} ({op_name(u)}) "
                                  f"outside the dispatch -> experts -> combine chain")
-    if chain.combine.args[0] not in fwd:
+    if chain.combine.args[0] not in rows:
         raise _CannotCut("its combine does not take the experts' output")
-    for n in chain.bwd_experts:
-        for a in n.all_input_nodes:
-            if a not in bwd and a not in fwd and a not in outside_in and a is not chain.bwd_grad \
-                    and a.op not in ("placeholder", "get_attr"):
-                raise _CannotCut(f"its backward experts read {a.name} ({op_name(a)}) from outside the chain")
-        for u in n.users:
-            if u not in bwd and u is not chain.bwd_combine and u.op != "output":
-                raise _CannotCut(f"{n.name} ({op_name(n)}) of its backward experts is read by {u.name} "
-                                 f"({op_name(u)}) outside the chain")
-    if chain.bwd_combine is not None and chain.bwd_combine.args[0] not in bwd:
+    # a backward value that leaves the chain other than through the exchange is a gradient
+    # contribution (the backward is linear in the incoming gradient): its chunks are summed
+    chain.summed = [n for n in chain.bwd_rows if any(u not in bwd and u is not chain.bwd_combine for u in n.users)]
+    for n in chain.summed:
+        if free_unbacked_symbols(n.meta.get("val")):
+            raise _CannotCut(f"{n.name} ({op_name(n)}) of its backward experts hands rows to {next(iter(n.users)).name} "
+                             f"outside the chain")
+    if chain.bwd_combine is not None and chain.bwd_combine.args[0] not in rows:
         raise _CannotCut("its backward dispatch does not take the backward experts' output")
 
 
@@ -209,7 +239,7 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
             env = {chain.received: _new(g, operator.getitem, (dc, 0), Tag(F, L, K.DISPATCH, chunk=c), chain.received),
                    chain.recv_counts: _new(g, operator.getitem, (dc, 1), Tag(F, L, K.DISPATCH, chunk=c),
                                            chain.recv_counts)}
-            for n in chain.fwd_experts:
+            for n in chain.fwd_rows:
                 _copy(g, n, env, c)
             # the chunk's received rows, which its backward exchange promises to return
             env["rows"] = _new(g, torch.ops.aten.sym_size.int, (env[chain.received], 0),
@@ -220,18 +250,21 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
         merged = _new(g, MERGE_CHUNKS_OP, (parts, counts, chain.ep, chain.combine.args[4]),
                       Tag(F, L, K.COMBINE, chunk=last), chain.combine)
     chain.combine.replace_all_uses_with(merged)
-    old = [d, chain.received, chain.recv_counts, *chain.fwd_experts, chain.combine]
+    old = [d, chain.received, chain.recv_counts, *chain.fwd_rows, chain.combine]
+    for n in chain.fwd_experts + chain.bwd_experts:  # shared by the chunks: in chunk 0's stage
+        if n not in chain.fwd_rows and n not in chain.bwd_rows:
+            n.meta[TAG_KEY] = dataclasses.replace(n.meta[TAG_KEY], chunk=0)
     if chain.bwd_dispatch is not None:
         bd, bc = chain.bwd_dispatch, chain.bwd_combine
         grad_rows = bd.args[0]
-        grads = [n for n in chain.bwd_experts if any(u.op == "output" for u in n.users)]
+        grads = chain.summed
         with g.inserting_before(bc):
             parts = []
             for c, env in enumerate(envs):
                 dc = _new(g, DISPATCH_CHUNK_OP, (grad_rows, counts, group, env[chain.recv_counts], env["rows"], c,
                                                  chunks), Tag(B, L, K.COMBINE, chunk=c), bd)
                 env[chain.bwd_grad] = _new(g, operator.getitem, (dc, 0), Tag(B, L, K.COMBINE, chunk=c), chain.bwd_grad)
-                for n in chain.bwd_experts:
+                for n in chain.bwd_rows:
                     _copy(g, n, env, c)
                 parts.append(_new(g, COMBINE_CHUNK_OP, (env[bc.args[0]], env[chain.recv_counts], counts, group, c,
                                                         chunks), Tag(B, L, K.DISPATCH, chunk=c), bc))
@@ -241,15 +274,36 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
                 total = envs[0][n]
                 for env in envs[1:-1]:
                     total = _new(g, torch.ops.aten.add.Tensor, (total, env[n]), Tag(B, L, K.EXPERTS, chunk=last), n)
-                bc.prepend(n)
                 n.target, n.args, n.kwargs = torch.ops.aten.add.Tensor, (total, envs[-1][n]), {}
                 for k in _FAKE_KEYS:
                     n.meta.pop(k, None)
                 n.meta[TAG_KEY] = dataclasses.replace(n.meta[TAG_KEY], chunk=last)
         bc.replace_all_uses_with(merged)
-        old += [bd, *_getitems(bd).values(), *(n for n in chain.bwd_experts if n not in grads), bc]
+        old += [bd, *_getitems(bd).values(), *(n for n in chain.bwd_rows if n not in grads), bc]
     for n in sorted(old, key=_position(gm), reverse=True):
         g.erase_node(n)
+
+
+def _sort(graph: torch.fx.Graph) -> None:
+    """Put every node after its inputs, otherwise keeping the graph's order (a gradient turned
+    into the chunks' sum now reads nodes inserted after it)."""
+    import heapq
+
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    waiting = {n: len(set(n.all_input_nodes)) for n in graph.nodes}
+    ready = [(index[n], n.name) for n, k in waiting.items() if k == 0]
+    by_name = {n.name: n for n in graph.nodes}
+    heapq.heapify(ready)
+    last = None
+    while ready:
+        n = by_name[heapq.heappop(ready)[1]]
+        if last is not None and last.next is not n:
+            last.append(n)
+        last = n
+        for u in n.users:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (index[u], u.name))
 
 
 def _position(gm: torch.fx.GraphModule):
@@ -286,8 +340,10 @@ def _descendants(n: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
-def chunk(gm: torch.fx.GraphModule, chunks: int) -> Chunking:
-    """Cut every layer that can be cut into ``chunks`` chunks along its local experts."""
+def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset()) -> Chunking:
+    """Cut every layer that can be cut into ``chunks`` chunks along its local experts.
+    ``static``: the placeholders of parameters and buffers (values read by the experts that
+    come from them alone, e.g. a transposed weight, are shared by every chunk)."""
     if chunks <= 1:
         return Chunking(gm, 1, [], {})
     skipped: dict[int, str] = {}
@@ -303,14 +359,23 @@ def chunk(gm: torch.fx.GraphModule, chunks: int) -> Chunking:
             if layer in skipped:
                 continue
             try:
-                chain = _find_chain(by_tag, layer, chunks)
+                chain = _find_chain(by_tag, layer, chunks, static)
             except _CannotCut as why:
                 skipped[layer] = str(why)
                 continue
             _cut(out, chain, chunks)
             cut.append(layer)
+        _sort(out.graph)
+        out.graph.lint()
         out.recompile()
-        propagate_fake_values(out)
+        try:
+            propagate_fake_values(out)
+        except Exception as e:  # noqa: BLE001  (a cut the checks missed: leave every layer whole, say why)
+            if not cut:
+                raise
+            skipped.update({layer: f"the cut graph does not propagate ({type(e).__name__}: {str(e)[:200]})"
+                            for layer in cut})
+            continue
         bad = {layer: why for layer in cut if (why := _row_wise(out, layer)) is not None}
         if not bad:
             return Chunking(out, chunks, cut, dict(sorted(skipped.items())))

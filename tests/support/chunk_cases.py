@@ -104,7 +104,7 @@ def random_experts(rank: int, world: int) -> dict:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda rec: records.append(rec.getMessage())
-    log = logging.getLogger("fxoverlap.pipeline")
+    log = logging.getLogger("fxoverlap")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
@@ -154,7 +154,7 @@ def titan_two_ranks(rank: int, world: int) -> dict:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda rec: records.append(rec.getMessage())
-    log = logging.getLogger("fxoverlap.pipeline")
+    log = logging.getLogger("fxoverlap")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
