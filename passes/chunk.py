@@ -55,6 +55,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import RNG_ORDER_KEY, TAG_KEY, op_name
 from fxoverlap.ir.stage import Direction, StageKind, Tag
 from fxoverlap.kernels import a2a
@@ -119,8 +120,8 @@ def _one(nodes: list[torch.fx.Node], op, what: str) -> torch.fx.Node:
     return calls[0]
 
 
-class _CannotCut(Exception):
-    """Why a layer stays whole (internal: the pass reports it, never raises it)."""
+class _CannotCut(FxOverlapError):
+    """Why a layer stays whole (internal: the pass reports it in ``Chunking.skipped``, never raises it)."""
 
 
 def _find_chain(by_tag: dict[tuple, list[torch.fx.Node]], layer: int, chunks: int, static: set[str]) -> _Chain:

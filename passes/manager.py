@@ -124,7 +124,7 @@ def _rng(st: PassState) -> None:
 
 
 def _chunk(st: PassState) -> None:
-    cut = chunk(st.graph, st.config.resolved_chunks(st.device_type))
+    cut = chunk(st.graph, st.config.resolved_chunks(st.device_type), st.capture.static_placeholders)
     st.graph = cut.graph
     if cut.skipped:
         whys = "; ".join(f"layer {layer}: {why}" for layer, why in cut.skipped.items())

@@ -38,7 +38,10 @@ def rows(folder: str) -> list[dict]:
         cfg = r.get("config", {})
         key = (e["ep"], link.get("name", "none"), link.get("skew", 1.0), cfg.get("routing"),
                r["run"]["microbatches"], r["run"]["overlap_config"].get("dispatcher"))
+        chunks = r["run"]["overlap_config"].get("chunks")
         for mode, m in r["modes"].items():
+            if mode not in ("eager", "compile", "fwd_eager", "fwd_compile"):  # OverlapConfig(chunks=) applies
+                mode = f"{mode} chunks={'default' if chunks is None else chunks}"
             out.append({"key": key, "mode": mode, "m": m, "file": os.path.basename(path),
                         "fold": e.get("expert_fold"), "local": e.get("local_experts")})
     return out

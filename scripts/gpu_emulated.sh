@@ -14,6 +14,9 @@
 #           compile and fxoverlap; at EP 8 also eager, backend and the forward-only modes
 #   tier 2: capacity, 8 microbatches, the same EPs: compile and fxoverlap
 #   tier 3: dropless and capacity, 4 microbatches, the same EPs: compile and fxoverlap
+#   tier 4: chunks at EP 8, 100 GB/s, dropless, 8 microbatches: compile; fxoverlap, backend and the
+#           forward-only modes with chunks 1, 2, 4
+#   tier 5: chunks at 4 microbatches, capacity routing, 300 GB/s and no link
 # Then scripts/emulated_table.py writes $OUT/emulated_table.md. Logs and JSON go to $OUT.
 set -u
 set -o pipefail
@@ -46,9 +49,13 @@ say "step check"
 [ "$DRY" = 1 ] || timeout 120 $PY scripts/gpu_emulated_check.py --out "$OUT/emucheck.jsonl" >"$OUT/emucheck.log" 2>&1 || say "check failed (rc $?)"
 grep "^EMUCHECK" "$OUT/emucheck.log" | cut -c1-300 | tee -a "$LOG"
 
-one() {  # ep link routing microbatches mode
-  local ep=$1 link=$2 routing=$3 mbs=$4 mode=$5
-  local name="ep${ep}_${link}_${routing}_mb${mbs}_${mode}"
+one() {  # ep link routing microbatches mode [chunks]   (link: a preset, or gbpsN for --link-gbps N)
+  local ep=$1 link=$2 routing=$3 mbs=$4 mode=$5 chunks=${6:-}
+  local name="ep${ep}_${link}_${routing}_mb${mbs}_${mode}${chunks:+_c$chunks}"
+  local linkflag="--link $link"
+  case $link in gbps*) linkflag="--link-gbps ${link#gbps}" ;; esac
+  local cflag=""
+  [ -n "$chunks" ] && cflag="--overlap-config chunks=$chunks"
   local used=$(( $(date +%s) - T0 ))
   if [ $(( used + EST_S )) -gt "$BUDGET_S" ]; then
     say "skip $name (budget: ${used}s used of ${BUDGET_S}s)"
@@ -56,12 +63,12 @@ one() {  # ep link routing microbatches mode
   fi
   say "step $name"
   if [ "$DRY" = 1 ]; then
-    echo "timeout $STEP_TIMEOUT torchrun ... --emulate-ep $ep --link $link --routing $routing --microbatches $mbs --modes $mode"
+    echo "timeout $STEP_TIMEOUT torchrun ... --emulate-ep $ep $linkflag --routing $routing --microbatches $mbs --modes $mode $cflag"
     return
   fi
   timeout "$STEP_TIMEOUT" torchrun --standalone --nproc-per-node 1 -m fxoverlap.bench --out "$OUT" --name "$name" \
-    --emulate-ep "$ep" --link "$link" --skew "$SKEW" --routing "$routing" --microbatches "$mbs" --modes "$mode" \
-    --warmup "$WARMUP" --iters "$ITERS" --no-stage-timing --no-grad-check $EXTRA >"$OUT/$name.log" 2>&1
+    --emulate-ep "$ep" $linkflag --skew "$SKEW" --routing "$routing" --microbatches "$mbs" --modes "$mode" \
+    --warmup "$WARMUP" --iters "$ITERS" --no-stage-timing --no-grad-check $cflag $EXTRA >"$OUT/$name.log" 2>&1
   local rc=$?
   grep -A8 "^mode (emulated)" "$OUT/$name.log" | grep -v "^mode" | head -2 | tee -a "$LOG"
   grep -E "Error|error:" "$OUT/$name.log" | tail -3 | cut -c1-300 | tee -a "$LOG"
@@ -82,6 +89,18 @@ for tier in $TIERS; do
            for mode in compile fxoverlap; do one "${e%%:*}" "${e##*:}" $r 4 $mode; done
          done
        done ;;
+    # chunks (OverlapConfig(chunks=K)) at the point: EP 8, 100 GB/s, the peer's shape
+    4) for mode in compile fwd_compile; do one 8 gbps100 dropless 8 $mode; done
+       for c in 1 2 4; do
+         for mode in fxoverlap backend fwd_fxoverlap fwd_backend; do one 8 gbps100 dropless 8 $mode $c; done
+       done ;;
+    5) one 8 gbps100 dropless 4 compile
+       for c in 1 2 4; do one 8 gbps100 dropless 4 fxoverlap $c; done
+       one 8 gbps100 capacity 8 compile
+       for c in 1 2; do one 8 gbps100 capacity 8 fxoverlap $c; one 8 gbps100 capacity 8 backend $c; done
+       for c in 1 2; do one 8 gbps300 dropless 8 fxoverlap $c; done
+       for c in 1 2; do one 8 none dropless 8 fxoverlap $c; done
+       one 8 none dropless 8 compile ;;
   esac
 done
 $PY scripts/emulated_table.py "$OUT" --out "$OUT/emulated_table.md" | tee -a "$LOG"

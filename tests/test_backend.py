@@ -338,7 +338,9 @@ def test_autograd_grad_through_segments(monkeypatch):
     assert all(torch.equal(p.grad, g) for p, g in zip(params, ref))
 
 
-def test_no_grad_runs_plain_graph():
+def test_no_grad_runs_the_forward_only_program():
+    """Under no_grad (inference) the backend compiles the forward alone into stages (no
+    autograd, no backward stages), bitwise eager on CPU."""
     cfg = MoEConfig.tiny(n_layers=1)
     torch.manual_seed(0)
     model = MoETransformer(cfg, None)
@@ -349,7 +351,11 @@ def test_no_grad_runs_plain_graph():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", fxb.FallbackWarning)
         assert torch.equal(compiled(tokens, labels), model(tokens, labels))
-    assert fxb.last_compiled() is None  # no-grad builds no staged step
+        assert torch.equal(compiled(tokens), model(tokens))  # logits
+    step = fxb.last_compiled()
+    assert isinstance(step, fxb.CompiledForward)
+    assert {str(s.direction) for s in step.stages} == {"fwd"}
+    assert {"fwd_l0_dispatch", "fwd_l0_experts"} <= {s.name for s in step.stages}
 
 
 def test_backend_is_registered():

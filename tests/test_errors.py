@@ -310,8 +310,8 @@ def test_backend_refuses_fields_it_cannot_honour():
 def test_backend_refuses_unknown_options_naming_close_matches():
     import fxoverlap.backend as fxb
 
-    with pytest.raises(fxoverlap.ConfigError, match="unknown option 'chunks'") as e:
-        fxb.backend_config({"chunks": 2})
+    with pytest.raises(fxoverlap.ConfigError, match=r"unknown option 'chunk' \(did you mean 'chunks'") as e:
+        fxb.backend_config({"chunk": 2})
     assert "OverlapConfig field" in str(e.value) and "torch._inductor.config" in str(e.value)
     with pytest.raises(fxoverlap.ConfigError, match=r"'delay_wgard' \(did you mean 'delay_wgrad'") as e:
         fxb.backend_config(delay_wgard=True)
@@ -325,11 +325,11 @@ def test_backend_refuses_unknown_options_naming_close_matches():
 
 def test_backend_unknown_option_is_an_error_on_cpu_too():
     model = Stack()
-    compiled = torch.compile(model, backend="fxoverlap", options={"chunks": 2})
+    compiled = torch.compile(model, backend="fxoverlap", options={"chunk": 2})
     with pytest.raises(Exception) as e:  # Dynamo wraps what a backend raises
         compiled(torch.randn(4, 8))
     chain = [e.value, *(x for x in (e.value.__cause__, e.value.__context__) if x is not None)]
-    assert any(isinstance(x, fxoverlap.ConfigError) for x in chain) or "unknown option 'chunks'" in str(e.value)
+    assert any(isinstance(x, fxoverlap.ConfigError) for x in chain) or "unknown option 'chunk'" in str(e.value)
     torch._dynamo.reset()
 
 

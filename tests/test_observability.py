@@ -22,7 +22,7 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import eager_steps, grad_diff, take_grads, token_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORDER = ["dispatcher", "tag", "side", "rng", "recompute", "split", "cudagraph", "inductor",
+ORDER = ["dispatcher", "tag", "side", "rng", "chunk", "recompute", "split", "cudagraph", "inductor",
          "schedule", "reduce", "streams", "free"]
 
 # A tiny MoE model on one rank, through optimize (2 microbatches) and, with BACKEND, torch.compile.
@@ -55,17 +55,17 @@ def test_pass_list_in_order():
     assert [p.name for p in fxoverlap.passes.PASSES] == ORDER
     assert {p.name: p.phase for p in pipeline.PASSES} == {
         n: "stages" if i < ORDER.index("schedule") else "program" for i, n in enumerate(ORDER)}
-    assert pipeline.SWITCHABLE == ("side", "cudagraph", "inductor", "free")
+    assert pipeline.SWITCHABLE == ("side", "chunk", "cudagraph", "inductor", "free")
     assert all(p.why for p in pipeline.PASSES)
 
 
 @pytest.mark.parametrize("name", ["rng", "streams", "no_such_pass"])
 def test_disable_unknown_or_unswitchable(name):
     """Refused when the engine is made, before any capture (the config itself stays a leaf)."""
-    with pytest.raises(ValueError, match="side, cudagraph, inductor, free") as e:
+    with pytest.raises(ValueError, match="side, chunk, cudagraph, inductor, free") as e:
         fxoverlap.optimize(torch.nn.Linear(2, 2), None, fxoverlap.OverlapConfig(disable_passes=(name,)))
     assert repr(name) in str(e.value)
-    with pytest.raises(ValueError, match="side, cudagraph, inductor, free") as e:  # the backend's options
+    with pytest.raises(ValueError, match="side, chunk, cudagraph, inductor, free") as e:  # the backend's options
         fxoverlap.backend.backend_config({"disable_passes": (name,)})
     assert repr(name) in str(e.value)
 

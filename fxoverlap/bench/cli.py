@@ -146,6 +146,12 @@ def parse_overlap_config(text: str) -> OverlapConfig:
         if not sep or key not in fields:
             raise ConfigError(f"--overlap-config: {item!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
         default = fields[key].default
+        if default is None:  # an optional field: its annotation says the type ("int | None")
+            kind = str(fields[key].type).split("|")[0].strip()
+            if val.lower() == "none":
+                kw[key] = None
+                continue
+            default = {"int": 0, "float": 0.0, "bool": False}.get(kind, "")
         if isinstance(default, bool):
             kw[key] = val.lower() in ("1", "true", "yes", "on")
         elif isinstance(default, int):
