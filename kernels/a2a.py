@@ -14,6 +14,7 @@ group at all.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -34,8 +35,10 @@ _host_splits: dict[int, tuple[int, tuple[list[int], ...]]] = {}
 
 
 # A chunk's rows in the sender's buffer (``dispatch_chunk``), keyed like ``_host_splits`` by the
-# chunk's recv_counts, so the backward exchange selects the same rows without a host read.
+# chunk's recv_counts, so the backward exchange selects the same rows without a host read; and
+# the host counts of one exchange, keyed by its send counts, shared by all its chunks.
 _chunk_ranges: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+_chunk_plans: dict[int, tuple[int, tuple]] = {}
 
 
 def _remember(counts: torch.Tensor, splits, store: dict = _host_splits) -> None:
@@ -177,6 +180,18 @@ def _take_rows(x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([x[a:b] for a, b in runs]) if len(runs) > 1 else x[runs[0][0]:runs[0][1]].clone()
 
 
+def _chunk_plan(send_counts: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[list[int], torch.Tensor, list[int]]:
+    """Every expert's send count on the host, the whole receive counts (device) and on the host:
+    one counts exchange and one host read per exchange of a layer, shared by its chunks."""
+    plan = _recall(send_counts, _chunk_plans)
+    if plan is None:
+        recv = exchange_counts(send_counts, group)
+        host = torch.cat([send_counts, recv.flatten()]).tolist()
+        plan = (host[:send_counts.numel()], recv, host[send_counts.numel():])
+        _remember(send_counts, plan, _chunk_plans)
+    return plan
+
+
 def dispatch_chunk(
     x: torch.Tensor,
     send_counts: torch.Tensor,
@@ -186,25 +201,25 @@ def dispatch_chunk(
     chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """:func:`dispatch_tokens` of one chunk: ``x`` holds every row (sorted by global expert);
-    only the chunk's rows travel. Returns the chunk's rows grouped by local expert and its
-    ``recv_counts`` (0 for experts outside the chunk), and how many rows it sent. With ``recv_counts`` given (the
-    backward's exchange of the same chunk), the rows and split sizes are the remembered ones."""
+    only the chunk's rows travel. Returns the chunk's rows grouped by local expert, its
+    ``recv_counts`` (0 for experts outside the chunk), and how many rows it sent. The chunks
+    of one exchange share one counts exchange and one host read (the first chunk's); with
+    ``recv_counts`` given (the backward's exchange of the same chunk), the rows and split
+    sizes are the ones remembered for it."""
     ep = world_size(group)
     counts_c = chunk_counts(send_counts, ep, chunk, chunks)
     runs = _recall(recv_counts, _chunk_ranges) if recv_counts is not None else None
     if runs is not None:
         recv_counts = recv_counts.clone()  # an op's output may not be its input (the backward ignores it)
     else:
-        if recv_counts is None:
-            recv_counts = exchange_counts(counts_c, group)
-        # the one host read of this exchange: every expert's send count and the chunk's receive counts
-        host = torch.cat([send_counts, recv_counts.flatten()]).tolist()
-        e = send_counts.numel()
-        runs = _chunk_rows(host[:e], ep, chunk, chunks)
-        el = e // ep
-        rc = host[e:]
+        host_send, recv_full, host_recv = _chunk_plan(send_counts, group)
+        el = send_counts.numel() // ep
+        lo, hi = chunk_bounds(el, chunk, chunks)
+        runs = _chunk_rows(host_send, ep, chunk, chunks)
+        rc = [n if lo <= i % el < hi else 0 for i, n in enumerate(host_recv)]
         splits = ([b - a for a, b in runs], [sum(rc[s * el:(s + 1) * el]) for s in range(ep)], rc)
-        recv_counts = recv_counts.clone()
+        recv_counts = torch.zeros_like(recv_full)
+        recv_counts[:, lo:hi] = recv_full[:, lo:hi]
         _remember(recv_counts, splits)
         _remember(recv_counts, runs, _chunk_ranges)
     x_c = _take_rows(x, runs)
@@ -212,17 +227,26 @@ def dispatch_chunk(
     return y, recv_counts, x_c.shape[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _merge_tables(experts: int, ep: int, chunks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per expert its (chunk, destination rank) block, and each block's first expert: static."""
+    el = experts // ep
+    bounds = [chunk_bounds(el, c, chunks) for c in range(chunks)]
+    block = [0] * experts
+    for c, (lo, hi) in enumerate(bounds):
+        for r in range(ep):
+            for e in range(r * el + lo, r * el + hi):
+                block[e] = c * ep + r
+    first = [r * el + bounds[c][0] for c in range(chunks) for r in range(ep)]
+    return torch.tensor(block, device=device), torch.tensor(first, device=device)
+
+
 def merge_chunks(parts: list[torch.Tensor], send_counts: torch.Tensor, ep: int, out_rows: int) -> torch.Tensor:
     """The chunks' rows (each in its own send order, as :func:`dispatch_chunk` took them) back in
     the sender's order, ``[out_rows, D]``: one gather, computed on the device (no host read)."""
     chunks, e = len(parts), send_counts.numel()
-    el = e // ep
     dev = send_counts.device
-    bounds = [chunk_bounds(el, c, chunks) for c in range(chunks)]
-    # per expert: its (chunk, destination rank) block, and the block's first expert (static tables)
-    block = torch.tensor([c * ep + r for r in range(ep) for c, (lo, hi) in enumerate(bounds) for _ in range(lo, hi)],
-                         device=dev)
-    first = torch.tensor([r * el + bounds[c][0] for c in range(chunks) for r in range(ep)], device=dev)
+    block, first = _merge_tables(e, ep, chunks, dev)
     per_block = torch.zeros(chunks * ep, dtype=send_counts.dtype, device=dev).index_add_(0, block, send_counts)
     block_start = torch.cumsum(per_block, 0) - per_block  # where each block begins in the parts' concatenation
     expert_start = torch.cumsum(send_counts, 0) - send_counts  # where each expert begins in the sender's order
