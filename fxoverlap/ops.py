@@ -143,15 +143,18 @@ def _dispatch_chunk(
     out_rows: int,
     chunk: int,
     chunks: int,
+    first: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dispatch`` of chunk ``chunk`` of ``chunks``: ``x`` has every row; only the chunk's travel."""
-    y, recv, sent = a2a.dispatch_chunk(x, send_counts, a2a.resolve_group(group_name), recv_counts, chunk, chunks)
+    """``dispatch`` of chunk ``chunk`` of ``chunks``: ``x`` has every row; only the chunk's travel.
+    ``first``: the first chunk's receive counts (its host counts are reused; None for it)."""
+    y, recv, sent = a2a.dispatch_chunk(x, send_counts, a2a.resolve_group(group_name), recv_counts, chunk, chunks,
+                                       first)
     emulated_link.hold_rows("dispatch", sent, x)
     return y, recv
 
 
 @_dispatch_chunk.register_fake
-def _(x, send_counts, group_name, recv_counts, out_rows, chunk, chunks):
+def _(x, send_counts, group_name, recv_counts, out_rows, chunk, chunks, first):
     ep = a2a.world_size(a2a.resolve_group(group_name))
     rows = out_rows if not isinstance(out_rows, int) or out_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
     return x.new_empty(rows, x.shape[1]), send_counts.new_empty(ep, send_counts.shape[0] // ep)
@@ -175,13 +178,14 @@ def _(y, recv_counts, send_counts, group_name, chunk, chunks):
 
 
 @torch.library.custom_op("fxoverlap::merge_chunks", mutates_args=())
-def _merge_chunks(parts: list[torch.Tensor], send_counts: torch.Tensor, ep: int, out_rows: int) -> torch.Tensor:
-    """The chunks' rows back in the sender's order (a gather on the device, no host read)."""
-    return a2a.merge_chunks(list(parts), send_counts, ep, out_rows)
+def _merge_chunks(parts: list[torch.Tensor], send_counts: torch.Tensor, ep: int, out_rows: int,
+                  first: torch.Tensor) -> torch.Tensor:
+    """The chunks' rows back in the sender's order (``first``: the first chunk's receive counts)."""
+    return a2a.merge_chunks(list(parts), send_counts, ep, out_rows, first)
 
 
 @_merge_chunks.register_fake
-def _(parts, send_counts, ep, out_rows):
+def _(parts, send_counts, ep, out_rows, first):
     return parts[0].new_empty(out_rows, parts[0].shape[1])
 
 

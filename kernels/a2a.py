@@ -177,18 +177,22 @@ def _chunk_rows(host_counts: list[int], ep: int, chunk: int, chunks: int) -> lis
 
 
 def _take_rows(x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows of ``runs``, packed: a new tensor (an op's output may not alias its input)."""
     return torch.cat([x[a:b] for a, b in runs]) if len(runs) > 1 else x[runs[0][0]:runs[0][1]].clone()
 
 
-def _chunk_plan(send_counts: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[list[int], torch.Tensor, list[int]]:
+def _chunk_plan(send_counts: torch.Tensor, group: dist.ProcessGroup | None, first: torch.Tensor | None
+                ) -> tuple[list[int], torch.Tensor, list[int]]:
     """Every expert's send count on the host, the whole receive counts (device) and on the host:
-    one counts exchange and one host read per exchange of a layer, shared by its chunks."""
-    plan = _recall(send_counts, _chunk_plans)
+    one counts exchange and one host read per exchange of a layer, made by its first chunk and
+    found by the others through ``first``, the first chunk's receive counts. (Not keyed by
+    ``send_counts``: a CUDA-graphed stage hands out the same tensor with new values for another
+    microbatch; a comm stage's output is new on every call.)"""
+    plan = _recall(first, _chunk_plans) if first is not None else None
     if plan is None:
         recv = exchange_counts(send_counts, group)
         host = torch.cat([send_counts, recv.flatten()]).tolist()
         plan = (host[:send_counts.numel()], recv, host[send_counts.numel():])
-        _remember(send_counts, plan, _chunk_plans)
     return plan
 
 
@@ -199,20 +203,22 @@ def dispatch_chunk(
     recv_counts: torch.Tensor | None,
     chunk: int,
     chunks: int,
+    first: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """:func:`dispatch_tokens` of one chunk: ``x`` holds every row (sorted by global expert);
     only the chunk's rows travel. Returns the chunk's rows grouped by local expert, its
     ``recv_counts`` (0 for experts outside the chunk), and how many rows it sent. The chunks
-    of one exchange share one counts exchange and one host read (the first chunk's); with
-    ``recv_counts`` given (the backward's exchange of the same chunk), the rows and split
-    sizes are the ones remembered for it."""
+    of one exchange share one counts exchange and one host read, the first chunk's (``first``:
+    its ``recv_counts``); with ``recv_counts`` given (the backward's exchange of the same
+    chunk), the rows and split sizes are the ones remembered for it."""
     ep = world_size(group)
     counts_c = chunk_counts(send_counts, ep, chunk, chunks)
     runs = _recall(recv_counts, _chunk_ranges) if recv_counts is not None else None
     if runs is not None:
         recv_counts = recv_counts.clone()  # an op's output may not be its input (the backward ignores it)
     else:
-        host_send, recv_full, host_recv = _chunk_plan(send_counts, group)
+        plan = _chunk_plan(send_counts, group, first)
+        host_send, recv_full, host_recv = plan
         el = send_counts.numel() // ep
         lo, hi = chunk_bounds(el, chunk, chunks)
         runs = _chunk_rows(host_send, ep, chunk, chunks)
@@ -222,7 +228,11 @@ def dispatch_chunk(
         recv_counts[:, lo:hi] = recv_full[:, lo:hi]
         _remember(recv_counts, splits)
         _remember(recv_counts, runs, _chunk_ranges)
+        if first is None:
+            _remember(recv_counts, plan, _chunk_plans)
     x_c = _take_rows(x, runs)
+    if ep == 1:  # nothing travels: the chunk's rows are already grouped by (local) expert
+        return x_c, recv_counts, x_c.shape[0]
     y, _ = dispatch_tokens(x_c, counts_c, group, recv_counts)
     return y, recv_counts, x_c.shape[0]
 
@@ -241,9 +251,21 @@ def _merge_tables(experts: int, ep: int, chunks: int, device: torch.device) -> t
     return torch.tensor(block, device=device), torch.tensor(first, device=device)
 
 
-def merge_chunks(parts: list[torch.Tensor], send_counts: torch.Tensor, ep: int, out_rows: int) -> torch.Tensor:
+def merge_chunks(parts: list[torch.Tensor], send_counts: torch.Tensor, ep: int, out_rows: int,
+                 first: torch.Tensor | None = None) -> torch.Tensor:
     """The chunks' rows (each in its own send order, as :func:`dispatch_chunk` took them) back in
-    the sender's order, ``[out_rows, D]``: one gather, computed on the device (no host read)."""
+    the sender's order, ``[out_rows, D]``, each row copied once: by slices where the exchange's
+    host counts are known (``first``: the first chunk's receive counts), else by a gather
+    computed on the device (no host read)."""
+    plan = _recall(first, _chunk_plans) if first is not None else None
+    if plan is not None:
+        out = parts[0].new_empty(out_rows, parts[0].shape[1])
+        for c, part in enumerate(parts):
+            at = 0
+            for a, b in _chunk_rows(plan[0], ep, c, len(parts)):
+                out[a:b].copy_(part[at:at + b - a])
+                at += b - a
+        return out
     chunks, e = len(parts), send_counts.numel()
     dev = send_counts.device
     block, first = _merge_tables(e, ep, chunks, dev)

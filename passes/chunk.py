@@ -236,7 +236,9 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
     with g.inserting_before(chain.combine):
         parts = []
         for c in range(chunks):
-            dc = _new(g, DISPATCH_CHUNK_OP, (x, counts, group, None, -1, c, chunks), Tag(F, L, K.DISPATCH, chunk=c), d)
+            first = envs[0][chain.recv_counts] if envs else None  # its host counts serve every chunk
+            dc = _new(g, DISPATCH_CHUNK_OP, (x, counts, group, None, -1, c, chunks, first),
+                      Tag(F, L, K.DISPATCH, chunk=c), d)
             env = {chain.received: _new(g, operator.getitem, (dc, 0), Tag(F, L, K.DISPATCH, chunk=c), chain.received),
                    chain.recv_counts: _new(g, operator.getitem, (dc, 1), Tag(F, L, K.DISPATCH, chunk=c),
                                            chain.recv_counts)}
@@ -248,7 +250,8 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
             parts.append(_new(g, COMBINE_CHUNK_OP, (env[chain.combine.args[0]], env[chain.recv_counts], counts, group,
                                                     c, chunks), Tag(F, L, K.COMBINE, chunk=c), chain.combine))
             envs.append(env)
-        merged = _new(g, MERGE_CHUNKS_OP, (parts, counts, chain.ep, chain.combine.args[4]),
+        first = envs[0][chain.recv_counts]
+        merged = _new(g, MERGE_CHUNKS_OP, (parts, counts, chain.ep, chain.combine.args[4], first),
                       Tag(F, L, K.COMBINE, chunk=last), chain.combine)
     chain.combine.replace_all_uses_with(merged)
     old = [d, chain.received, chain.recv_counts, *chain.fwd_rows, chain.combine]
@@ -263,13 +266,13 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
             parts = []
             for c, env in enumerate(envs):
                 dc = _new(g, DISPATCH_CHUNK_OP, (grad_rows, counts, group, env[chain.recv_counts], env["rows"], c,
-                                                 chunks), Tag(B, L, K.COMBINE, chunk=c), bd)
+                                                 chunks, None), Tag(B, L, K.COMBINE, chunk=c), bd)
                 env[chain.bwd_grad] = _new(g, operator.getitem, (dc, 0), Tag(B, L, K.COMBINE, chunk=c), chain.bwd_grad)
                 for n in chain.bwd_rows:
                     _copy(g, n, env, c)
                 parts.append(_new(g, COMBINE_CHUNK_OP, (env[bc.args[0]], env[chain.recv_counts], counts, group, c,
                                                         chunks), Tag(B, L, K.DISPATCH, chunk=c), bc))
-            merged = _new(g, MERGE_CHUNKS_OP, (parts, counts, chain.ep, bc.args[4]),
+            merged = _new(g, MERGE_CHUNKS_OP, (parts, counts, chain.ep, bc.args[4], first),
                           Tag(B, L, K.DISPATCH, chunk=last), bc)
             for n in grads:  # the old node becomes the sum, so the capture's name for the gradient holds
                 total = envs[0][n]

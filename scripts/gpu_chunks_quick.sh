@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A quick look at chunks on one GPU (emulated EP 8 over 100 GB/s, dropless, the peer's shape):
-#     ROWS="fxoverlap:1 fxoverlap:2 backend:4" OUT=$OUT bash scripts/gpu_chunks_quick.sh
-# One process per row (mode:chunks); each prints the bench's emulated summary line.
+#     ROWS="fxoverlap:1 fxoverlap:2 backend:4 fxoverlap:2:4" OUT=$OUT bash scripts/gpu_chunks_quick.sh
+# One process per row (mode:chunks[:microbatches]); scripts/emulated_table.py $OUT makes the table.
 set -u
 PY=${PY:-python3}
 OUT=${OUT:-bench_out/gpu_chunks}
@@ -13,10 +13,11 @@ EXTRA=${EXTRA:-}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fxoverlap_inductor_cache}
 mkdir -p "$OUT"
 for row in $ROWS; do
-  mode=${row%%:*}; c=${row##*:}
-  name="ep8_${ROUTING}_mb${MBS}_${mode}_c${c}"
+  IFS=: read -r mode c mbs <<< "$row"
+  mbs=${mbs:-$MBS}
+  name="ep8_${ROUTING}_mb${mbs}_${mode}_c${c}"
   timeout 150 torchrun --standalone --nproc-per-node 1 -m fxoverlap.bench --out "$OUT" --name "$name" \
-    --emulate-ep 8 $LINK --routing "$ROUTING" --microbatches "$MBS" --modes "$mode" --warmup 1 --iters 3 \
+    --emulate-ep 8 $LINK --routing "$ROUTING" --microbatches "$mbs" --modes "$mode" --warmup 1 --iters 3 \
     --no-stage-timing --no-grad-check --overlap-config "chunks=$c${EXTRA:+,$EXTRA}" >"$OUT/$name.log" 2>&1
-  echo "$name rc=$? $(grep -A2 '^mode (emulated)' "$OUT/$name.log" | tail -1)"
+  echo "$name rc=$? $(grep -A3 '^mode (emulated)' "$OUT/$name.log" | tail -1)"
 done

@@ -156,3 +156,20 @@ def test_chunk_rows_go_back_in_place(ep, experts, chunks):
         assert torch.equal(a2a.chunk_counts(counts, ep, c, chunks).sum(), torch.tensor(parts[-1].shape[0]))
     assert sent == x.shape[0]
     assert torch.equal(a2a.merge_chunks(parts, counts, ep, x.shape[0]), x)
+
+
+def test_one_rank_chunks_share_one_host_read_and_merge_by_slices():
+    """On one rank (group None): the first chunk's host counts serve the others (``first``) and
+    the merge copies each row once, by slices; the rows come back in place."""
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 2, 4, 1, 0, 5, 2])
+    x = torch.randn(int(counts.sum()), 4)
+    parts, first = [], None
+    for c in range(3):
+        y, recv, sent = a2a.dispatch_chunk(x, counts, None, None, c, 3, first)
+        first = recv if first is None else first
+        assert sent == y.shape[0] == int(recv.sum())
+        parts.append(y)
+    assert a2a._recall(first, a2a._chunk_plans) is not None
+    assert torch.equal(a2a.merge_chunks(parts, counts, 1, x.shape[0], first), x)
+    assert torch.equal(a2a.merge_chunks(parts, counts, 1, x.shape[0]), x)  # the device path agrees
