@@ -17,7 +17,10 @@ What is hooked, and where (``docs/pipeline_parallel.md``):
   place pipelining calls ``self.submod(...)``) is replaced, on that stage instance only, by a
   call of the fxoverlap-compiled stage module. ``stage.submod`` stays the user's module, so
   ``parameters()``, ``scale_grads`` and DDP/FSDP checks see what they always see, and
-  pipelining's own torch.compile check (DualPipeV refuses compiled submodules) holds;
+  pipelining's own torch.compile check (DualPipeV refuses compiled submodules) holds. The
+  stage is traced with ``capture_scalar_outputs`` on (host reads of split sizes stay in the
+  graph) and its DTensor inputs read only through ``to_local()`` (torchtitan's EP expert
+  weights) enter the program as their local shards (:func:`_unwrap_dtensor_inputs`);
 - multi-stage schedules (``_PipelineScheduleRuntime``: Interleaved1F1B, DualPipeV): an
   ``OVERLAP_F_B`` custom function (``register_custom_function``) runs the merged step
   F(i) ⊗ B(j): F(i)'s forward program and B(j)'s backward program in turns, each stopping
@@ -108,6 +111,7 @@ class _StageCompiler:
         where = f"pipeline stage {self.stage.stage_index} ({type(self.module).__name__})"
         if not torch.is_grad_enabled():  # eval(): nothing to overlap with
             return gm.forward
+        example_inputs, unwrapped = _unwrap_dtensor_inputs(gm, list(example_inputs), where)
         try:
             step = fxb.compile_step(gm, example_inputs, self.config)
         except (fxb._Unsupported, *fxb.FALLBACK_ERRORS) as e:
@@ -122,23 +126,90 @@ class _StageCompiler:
         step.keep_args = True  # for OVERLAP_F_B's backward outside autograd (backward_in_turns)
         self.steps.append(step)
         self.registry.setdefault(self.stage.stage_index, []).extend(step.stages)
-        return step
+        return _LocalShards(step, unwrapped) if unwrapped else step
 
     def forward(self, *args, **kwargs):
         from torch._dynamo.exc import BackendCompilerFailed
 
         sub = self.stage.submod
         self.forward_calls += 1
+        # split sizes read on the host (torchtitan's all-to-all dispatcher: .tolist()) stay in
+        # the graph as unbacked sizes, so the stage is one graph with whole layers; a break
+        # there would leave pieces of layers, which the stage compile refuses
         try:
-            if isinstance(sub, nn.parallel.DistributedDataParallel):
-                with sub.no_sync():
-                    return self.compiled(*args, **kwargs)
-            return self.compiled(*args, **kwargs)
+            with torch._dynamo.config.patch(capture_scalar_outputs=True):
+                if isinstance(sub, nn.parallel.DistributedDataParallel):
+                    with sub.no_sync():
+                        return self.compiled(*args, **kwargs)
+                return self.compiled(*args, **kwargs)
         except BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, FxOverlapError):
                 raise inner from e
             raise
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _unwrap_dtensor_inputs(gm: torch.fx.GraphModule, example_inputs: list,
+                           where: str) -> tuple[list, tuple[int, ...]]:
+    """Make the DTensor inputs of a stage's Dynamo graph plain: the graph then takes each
+    one's local shard (``to_local()``) in its place. torchtitan's EP holds its expert weights
+    as DTensors and its experts only read ``w.to_local()``; the backend compiles plain
+    tensors. Returns the new example inputs and the indices of the inputs unwrapped (the
+    call passes ``w.to_local()`` for them: :class:`_LocalShards`), so autograd's own
+    ``to_local`` backward turns each local gradient into the parameter's DTensor gradient,
+    as in eager. A DTensor input the graph uses other than through ``to_local()`` raises."""
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    unwrapped = []
+    for i, (ph, t) in enumerate(zip(phs, example_inputs)):
+        if not _is_dtensor(t):
+            continue
+        users = list(ph.users)
+        other = [u for u in users if not (u.op == "call_method" and u.target == "to_local" and len(u.args) == 1
+                                          and all(v is None for v in u.kwargs.values()))]
+        if other or not users:
+            uses = ", ".join(f"{u.op} {getattr(u.target, '__name__', u.target)}" for u in other[:3])
+            raise PipelineError(
+                f"{where}: graph input {ph.name} is a DTensor that the stage module uses "
+                f"{'in ' + uses if uses else 'nowhere'}; "
+                f"fxoverlap compiles a pipeline stage whose DTensor parameters are read only through "
+                f"to_local() (as torchtitan's expert-parallel experts read theirs), the local shards being "
+                f"plain tensors. Read the parameter with .to_local() in the module, or use "
+                f"fxoverlap.optimize(model, ep_group) without pipeline parallelism, which traces DTensors")
+        local = t.to_local().detach()
+        ph.meta["example_value"] = users[0].meta.get("example_value", local)  # Dynamo's fake local shard
+        for u in users:
+            u.replace_all_uses_with(ph)
+            gm.graph.erase_node(u)
+        example_inputs[i] = local.requires_grad_(t.requires_grad)
+        unwrapped.append(i)
+    if unwrapped:
+        gm.graph.lint()
+        gm.recompile()
+    return example_inputs, tuple(unwrapped)
+
+
+class _LocalShards:
+    """A compiled stage graph whose DTensor inputs were unwrapped (:func:`_unwrap_dtensor_inputs`):
+    called with Dynamo's inputs, it passes ``to_local()`` of each of those (through autograd,
+    as the module's own ``to_local()`` did) and marks each local shard with its DTensor, for
+    the merged step's backward outside autograd (:func:`_merged_backward`)."""
+
+    def __init__(self, step, unwrapped: tuple[int, ...]):
+        self.step, self.unwrapped = step, unwrapped
+
+    def __call__(self, *args):
+        args = list(args)
+        for i in self.unwrapped:
+            local = args[i].to_local()
+            local._fxoverlap_dtensor = args[i]
+            args[i] = local
+        return self.step(*args)
 
 
 def _install(stage, compiler: _StageCompiler) -> None:
@@ -265,7 +336,8 @@ def _merged_backward(schedule, stages, sub):
     # (a graph break shows here: the last piece's inputs include an activation that is no leaf)
     if not run.args or step.draws_random_numbers():
         return None
-    leaves = [t for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
+    # a local shard of a DTensor parameter (torchtitan's EP) counts as that parameter
+    leaves = [getattr(t, "_fxoverlap_dtensor", t) for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
     if any(not t.is_leaf or not _no_hooks(t) for t in leaves):
         return None
     if any(i not in {t.output_nr for t in outs} for i in step._tangent_pos):
@@ -289,14 +361,21 @@ def _merged_backward(schedule, stages, sub):
     args = run.args  # the generator drops them from the run when done
 
     def finish() -> None:
+        shards, shard_grads = [], []
         for i, g in run.grads.items():  # as AccumulateGrad: the first gradient is taken, later ones added
             t = args[i]
             if not (isinstance(t, torch.Tensor) and t.requires_grad):
+                continue
+            if hasattr(t, "_fxoverlap_dtensor"):
+                shards.append(t)
+                shard_grads.append(g)
                 continue
             if t.grad is None:
                 t.grad = g
             else:
                 t.grad += g
+        if shards:  # local shards of DTensor parameters: through to_local's backward, as autograd would
+            torch.autograd.backward(shards, shard_grads)
         grad_inputs = []
         for v in input_values:  # as pipelining's stage_backward
             if isinstance(v, torch.Tensor):
