@@ -4,7 +4,8 @@ fxoverlap programs, against the unpipelined model run eagerly (tests/support/pp_
 PP 2 x EP 1 on 2 gloo ranks, PP 2 x EP 2 on 4; Schedule1F1B, ScheduleInterleaved1F1B and
 ScheduleDualPipeV (which emits OVERLAP_F_B and the BACKWARD_INPUT/BACKWARD_WEIGHT split); 4
 microbatches; the reference MoE model, an mHC model and torchtitan's Qwen3-MoE (at EP 1, and
-at EP 2 with torchtitan's own EP: DTensor expert weights). With
+at EP 2 with torchtitan's own EP: DTensor expert weights); PP 2 x DP 2 with DDP stage modules
+and with pipeline_schedule(..., dp_group=...). With
 ``compiler="eager"`` the stage programs run eager's kernels in eager's order, and
 pipelining accumulates each stage's microbatch gradients in the reference's order, so
 losses and gradients are bitwise equal.
@@ -202,6 +203,46 @@ def test_pp2_dp2_ddp_stage_modules(schedule):
         assert not r["missing"] and r["n_grads"] > 0, r
         assert r["max_abs_diff"] <= 1e-6 * r["max_abs_ref"], r
         assert all(n > 0 for n in r["stages"].values()), r
+
+
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+def test_pp2_dp2_dp_group_reduction(schedule):
+    """PP 2 x DP 2 with fxoverlap's own reduction: plain stage modules, pipeline_schedule(...,
+    dp_group=...). Each stage's gradients are all-reduced over its DP group once per step, the
+    reduction issued right after the stage's last backward (its 4th) and finished at the end of
+    the step, before pipelining's scaling; two steps (zeroed in between) to see it again. Against
+    the eager model's gradients averaged over DP: fp32, 1e-6 relative per parameter (the
+    reduction sums and divides in another order; measured bitwise here: with 2 DP ranks a sum
+    of two is order-free and the divisions by 2 and 4 are exact). DualPipeV's OVERLAP_F_B
+    steps all merge (no DDP hooks to keep them in autograd). reduce_bucket_mb=0.001 (1 KiB):
+    several buckets per stage."""
+    results = run_distributed(pp_cases.run_dp_case, schedule, "dp_group",
+                              {"steps": 2, "config": {"reduce_bucket_mb": 0.001}}, world_size=4)
+    for r in results:
+        assert not r["missing"] and r["n_grads"] > 0, r
+        assert r["grad_rel_l2"] <= 1e-6 and r["max_abs_diff"] <= 1e-6 * r["max_abs_ref"], r
+        stages = sorted(r["stages"])
+        assert all(n > 0 for n in r["stages"].values()), r
+        # once per stage per step, after its last backward
+        assert sorted(r["reduce_starts"]) == sorted([(s, 4) for s in stages] * 2), r["reduce_starts"]
+        assert all(n > 1 for n in r["buckets"].values()), r["buckets"]
+        if schedule == "ScheduleDualPipeV":
+            assert r["overlap_steps"] > 0 and r["merged_steps"] == r["overlap_steps"], r
+
+
+def test_dp_group_errors():
+    """pipeline_schedule(dp_group=...) refuses what it cannot reduce (2 ranks, one pipeline)."""
+    res = run_distributed(pp_cases.dp_error_case, world_size=2)[0]
+    assert res["not_group"].startswith("PipelineInputError: dp_group must be a torch.distributed ProcessGroup"), res
+    assert res["ddp"].startswith("PipelineInputError: pipeline stage 0 (DistributedDataParallel) is wrapped in "
+                                 "DistributedDataParallel and dp_group is given"), res
+    assert res["reduce_scatter"].startswith("PipelineError: pipeline_schedule(dp_group=...) reduces with "
+                                            "all_reduce"), res
+    assert res["bucket_without_dp"].startswith("PipelineError: pipeline_schedule cannot honour OverlapConfig "
+                                               "fields ['reduce_bucket_mb']"), res
+    assert "dp_group=...) reduces them" in res["bucket_without_dp"], res
+    assert res["shares_pipeline"].startswith("PipelineInputError: pipeline stage 0 (MoEStage): dp_group [0, 1] and "
+                                             "the pipeline group [0, 1] share ranks [0, 1]"), res
 
 
 def test_pp2_ep2_hf_qwen3_moe():

@@ -363,14 +363,17 @@ def error_case(rank: int, world: int, which: str) -> dict:
     return {"raised": False, "grads": sum(p.grad is not None for p in mod.parameters())}
 
 
-def run_dp_case(rank: int, world: int, schedule: str) -> dict:
-    """PP 2 x DP 2 (EP 1) on 4 ranks: each stage module in DistributedDataParallel over its DP
-    group (each DP rank its own data). The reference: the unpipelined model, eager, gradients
-    divided by the microbatch count, averaged over the DP group."""
+def run_dp_case(rank: int, world: int, schedule: str, mode: str = "ddp", opts: dict | None = None) -> dict:
+    """PP 2 x DP 2 (EP 1) on 4 ranks, each DP rank its own data: ``mode="ddp"``: each stage module
+    in DistributedDataParallel over its DP group; ``"dp_group"``: plain stage modules,
+    ``pipeline_schedule(..., dp_group=...)`` reduces. ``opts``: ``config`` (OverlapConfig fields),
+    ``steps`` (1: steps run, gradients zeroed before the last). The reference: the unpipelined
+    model, eager, gradients divided by the microbatch count, averaged over the DP group."""
     import torch.distributed.pipelining as pipelining
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     n_mb, dp = 4, 2
+    opts = opts or {}
     pp, pp_rank, dp_rank, _, pp_group = pp_ep_groups(dp)
     dp_group = None
     for r in range(pp):  # the rows of the mesh (the groups pp_ep_groups made first) again, as DP groups
@@ -397,16 +400,34 @@ def run_dp_case(rank: int, world: int, schedule: str) -> dict:
     per = N_LAYERS // n_stages
     stages = []
     for s in mine:
-        mod = DDP(RefStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1),
-                  process_group=dp_group)
+        mod = RefStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
+        if mode == "ddp":
+            mod = DDP(mod, process_group=dp_group)
         stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
     cls = getattr(pipelining, schedule)
     arg = stages[0] if schedule == "Schedule1F1B" else stages
     sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn,
-                                        config=fxoverlap.OverlapConfig(compiler="eager"))
+                                        config=fxoverlap.OverlapConfig(compiler="eager", **opts.get("config", {})),
+                                        dp_group=dp_group if mode == "dp_group" else None)
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    sched.step(*((x,) if has_first else ()), **(dict(target=y, losses=[]) if has_last else {}))
-    worst = scale = 0.0
+    # when each stage's dp_group reduction started: (stage, its backwards run in the step by then)
+    starts: list[tuple[int, int]] = []
+    for st in stages:
+        red = st._fxoverlap.reducer
+        if red is not None:
+            orig_start = red.start
+
+            def start(st=st, orig=orig_start):
+                starts.append((st.stage_index, st._fxoverlap.backwards))
+                orig()
+
+            red.start = start
+    for i in range(opts.get("steps", 1)):
+        if i:  # a later step: the same gradients again, from zero
+            for st in stages:
+                st.submod.zero_grad(set_to_none=True)
+        sched.step(*((x,) if has_first else ()), **(dict(target=y, losses=[]) if has_last else {}))
+    worst = scale = rel = 0.0
     missing, count = [], 0
     for st in stages:
         for p in st.submod.parameters():
@@ -415,9 +436,44 @@ def run_dp_case(rank: int, world: int, schedule: str) -> dict:
                 missing.append(k)
                 continue
             count += 1
-            worst = max(worst, (p.grad.double() - ref[k].double()).abs().max().item())
+            d = p.grad.double() - ref[k].double()
+            rel = max(rel, (d.norm() / ref[k].double().norm().clamp_min(1e-30)).item())
+            worst = max(worst, d.abs().max().item())
             scale = max(scale, ref[k].double().abs().max().item())
     return {"rank": rank, "missing": missing, "n_grads": count, "max_abs_diff": worst, "max_abs_ref": scale,
-            "stages": {i: len(v) for i, v in sched.fxoverlap_stages.items()},
+            "grad_rel_l2": rel, "stages": {i: len(v) for i, v in sched.fxoverlap_stages.items()}, "reduce_starts": starts,
+            "buckets": {st.stage_index: len(st._fxoverlap.reducer.buckets()) for st in stages
+                        if st._fxoverlap.reducer is not None},
             "merged_steps": getattr(sched, "fxoverlap_merged_steps", None),
             "overlap_steps": getattr(sched, "fxoverlap_overlap_steps", None)}
+
+
+def dp_error_case(rank: int, world: int) -> dict:
+    """What ``pipeline_schedule(..., dp_group=...)`` refuses, each error as ``"Type: message"``;
+    the stages are built only (nothing runs). Two ranks: the pipeline group is the world."""
+    import torch.distributed.pipelining as pipelining
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, _ = _build("ref", None)
+
+    def stage(wrap=lambda m: m):
+        mod = wrap(RefStage(model, list(range(N_LAYERS)), rank == 0, rank == world - 1))
+        return pipelining.PipelineStage(mod, rank, world, torch.device("cpu"), group=dist.group.WORLD)
+
+    def error(**kwargs) -> str:
+        st = kwargs.pop("st", None) or stage()
+        try:
+            fxoverlap.pipeline_schedule(pipelining.Schedule1F1B, st, 4, loss_fn=loss_fn, **kwargs)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    mine = groups[rank]  # a DP group of this rank alone: meets the pipeline group in this rank
+    return {
+        "not_group": error(dp_group="dp"),
+        "ddp": error(st=stage(lambda m: DDP(m, process_group=mine)), dp_group=mine),
+        "reduce_scatter": error(dp_group=mine, config=fxoverlap.OverlapConfig(grad_reduce="reduce_scatter")),
+        "bucket_without_dp": error(config=fxoverlap.OverlapConfig(reduce_bucket_mb=1.0)),
+        "shares_pipeline": error(dp_group=dist.group.WORLD),
+    }
