@@ -345,3 +345,74 @@ class BucketReducer:
                     piece.view.grad = g
                 else:
                     piece.view.grad.add_(g)
+
+
+# ---------------------------------------------------------------- gradients final before the reduction (pipeline stages)
+
+
+class GradAllReduce:
+    """The data-parallel average of some parameters' gradients over one group, issued at once.
+
+    For gradients that are final before anything reduces them: a pipeline stage's, after its
+    last backward of a step (``fxoverlap.pipeline_schedule(..., dp_group=...)``), where each
+    backward is a separate program run, so no program holds the last gradients' hand-out and
+    the reduction nodes ``passes/reduce.py`` places. :meth:`start` packs the gradients into flat
+    buckets (per dtype and device, in reverse parameter order, each closed once it holds
+    ``bucket_bytes``) and issues an asynchronous ``all_reduce`` of each; :meth:`finish` waits,
+    divides by the group size and copies the averages into ``p.grad``. A parameter without a
+    gradient counts as zeros (and gets the average), so every rank of the group reduces the
+    same buckets; the ranks must hold the same parameters in the same order.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int):
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.bucket_bytes = bucket_bytes
+        self.steps = 0  # reductions finished
+        self._pending: list[tuple[object, torch.Tensor, list[nn.Parameter]]] = []
+
+    @property
+    def started(self) -> bool:
+        return bool(self._pending)
+
+    def buckets(self) -> list[list[nn.Parameter]]:
+        """The parameters of each bucket, in the order the buckets are issued."""
+        out, open_, held = [], {}, {}
+        for p in reversed(self.params):  # the backward makes the last parameters' gradients first
+            key = (p.dtype, p.device)
+            open_.setdefault(key, []).append(p)
+            held[key] = held.get(key, 0) + p.numel() * p.element_size()
+            if held[key] >= self.bucket_bytes:
+                out.append(open_.pop(key))
+                held[key] = 0
+        out.extend(open_.values())
+        return out
+
+    def start(self) -> None:
+        """Issue the all-reduce of every bucket (asynchronous)."""
+        if self._pending:
+            raise GradReduceError("fxoverlap: a data-parallel gradient reduction was started twice in one step")
+        with torch.no_grad():
+            for ps in self.buckets():
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                self._pending.append((work, flat, ps))
+
+    def finish(self) -> None:
+        """Wait for every bucket, divide by the group size, copy into ``p.grad``."""
+        with torch.no_grad():
+            for work, flat, ps in self._pending:
+                work.wait()
+                flat.div_(self.size)
+                offset = 0
+                for p in ps:
+                    g = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.copy_(g)
+        self._pending = []
+        self.steps += 1
+

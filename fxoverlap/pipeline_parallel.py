@@ -17,7 +17,10 @@ What is hooked, and where (``docs/pipeline_parallel.md``):
   place pipelining calls ``self.submod(...)``) is replaced, on that stage instance only, by a
   call of the fxoverlap-compiled stage module. ``stage.submod`` stays the user's module, so
   ``parameters()``, ``scale_grads`` and DDP/FSDP checks see what they always see, and
-  pipelining's own torch.compile check (DualPipeV refuses compiled submodules) holds;
+  pipelining's own torch.compile check (DualPipeV refuses compiled submodules) holds. The
+  stage is traced with ``capture_scalar_outputs`` on (host reads of split sizes stay in the
+  graph) and its DTensor inputs read only through ``to_local()`` (torchtitan's EP expert
+  weights) enter the program as their local shards (:func:`_unwrap_dtensor_inputs`);
 - multi-stage schedules (``_PipelineScheduleRuntime``: Interleaved1F1B, DualPipeV): an
   ``OVERLAP_F_B`` custom function (``register_custom_function``) runs the merged step
   F(i) ⊗ B(j): F(i)'s forward program and B(j)'s backward program in turns, each stopping
@@ -97,8 +100,13 @@ class _StageCompiler:
         self.registry = registry
         self.steps: list = []  # backend.CompiledStep, one per Dynamo graph of the stage module
         self.forward_calls = 0  # F steps run (each a call of the compiled stage module)
-        self.backwards = 0  # backward_one_chunk calls in this step
+        self.backwards = 0  # backwards of this stage run in this step (through autograd or merged)
         self.n_microbatches = 0  # set by pipeline_schedule
+        # pipeline_schedule(dp_group=...): the stage's gradients averaged over the DP group,
+        # issued after its last backward, finished at the end of the step, where pipelining's
+        # gradient scaling (deferred to then: scale_factor) follows
+        self.reducer = None  # grad_reduce.GradAllReduce
+        self.scale_factor: int | None = None
         self.module = stage.submod
         self.compiled = torch.compile(stage.submod, backend=self._backend, dynamic=False, fullgraph=False)
 
@@ -108,6 +116,7 @@ class _StageCompiler:
         where = f"pipeline stage {self.stage.stage_index} ({type(self.module).__name__})"
         if not torch.is_grad_enabled():  # eval(): nothing to overlap with
             return gm.forward
+        example_inputs, unwrapped = _unwrap_dtensor_inputs(gm, list(example_inputs), where)
         try:
             step = fxb.compile_step(gm, example_inputs, self.config)
         except (fxb._Unsupported, *fxb.FALLBACK_ERRORS) as e:
@@ -122,23 +131,109 @@ class _StageCompiler:
         step.keep_args = True  # for OVERLAP_F_B's backward outside autograd (backward_in_turns)
         self.steps.append(step)
         self.registry.setdefault(self.stage.stage_index, []).extend(step.stages)
-        return step
+        return _LocalShards(step, unwrapped) if unwrapped else step
+
+    def backward_done(self) -> None:
+        """One backward of this stage ran; after its last of the step, the DP reduction starts."""
+        self.backwards += 1
+        if self.reducer is not None and self.backwards == self.n_microbatches:
+            self.reducer.start()
+
+    def finish_step(self) -> None:
+        """End of the step: the DP reduction lands in ``p.grad``, then pipelining's gradient scaling."""
+        if self.reducer is None:
+            return
+        if not self.reducer.started:
+            raise PipelineError(f"pipeline stage {self.stage.stage_index}: the step ended after {self.backwards} "
+                                f"backwards of this stage, not {self.n_microbatches}; its gradients were not reduced "
+                                f"over dp_group")
+        self.reducer.finish()
+        if self.scale_factor is not None:
+            self.stage.scale_grads(self.scale_factor)
+            self.scale_factor = None
 
     def forward(self, *args, **kwargs):
         from torch._dynamo.exc import BackendCompilerFailed
 
         sub = self.stage.submod
         self.forward_calls += 1
+        # split sizes read on the host (torchtitan's all-to-all dispatcher: .tolist()) stay in
+        # the graph as unbacked sizes, so the stage is one graph with whole layers; a break
+        # there would leave pieces of layers, which the stage compile refuses
         try:
-            if isinstance(sub, nn.parallel.DistributedDataParallel):
-                with sub.no_sync():
-                    return self.compiled(*args, **kwargs)
-            return self.compiled(*args, **kwargs)
+            with torch._dynamo.config.patch(capture_scalar_outputs=True):
+                if isinstance(sub, nn.parallel.DistributedDataParallel):
+                    with sub.no_sync():
+                        return self.compiled(*args, **kwargs)
+                return self.compiled(*args, **kwargs)
         except BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, FxOverlapError):
                 raise inner from e
             raise
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _unwrap_dtensor_inputs(gm: torch.fx.GraphModule, example_inputs: list,
+                           where: str) -> tuple[list, tuple[int, ...]]:
+    """Make the DTensor inputs of a stage's Dynamo graph plain: the graph then takes each
+    one's local shard (``to_local()``) in its place. torchtitan's EP holds its expert weights
+    as DTensors and its experts only read ``w.to_local()``; the backend compiles plain
+    tensors. Returns the new example inputs and the indices of the inputs unwrapped (the
+    call passes ``w.to_local()`` for them: :class:`_LocalShards`), so autograd's own
+    ``to_local`` backward turns each local gradient into the parameter's DTensor gradient,
+    as in eager. A DTensor input the graph uses other than through ``to_local()`` raises."""
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    unwrapped = []
+    for i, (ph, t) in enumerate(zip(phs, example_inputs)):
+        if not _is_dtensor(t):
+            continue
+        users = list(ph.users)
+        other = [u for u in users if not (u.op == "call_method" and u.target == "to_local" and len(u.args) == 1
+                                          and all(v is None for v in u.kwargs.values()))]
+        if other or not users:
+            uses = ", ".join(f"{u.op} {getattr(u.target, '__name__', u.target)}" for u in other[:3])
+            raise PipelineError(
+                f"{where}: graph input {ph.name} is a DTensor that the stage module uses "
+                f"{'in ' + uses if uses else 'nowhere'}; "
+                f"fxoverlap compiles a pipeline stage whose DTensor parameters are read only through "
+                f"to_local() (as torchtitan's expert-parallel experts read theirs), the local shards being "
+                f"plain tensors. Read the parameter with .to_local() in the module, or use "
+                f"fxoverlap.optimize(model, ep_group) without pipeline parallelism, which traces DTensors")
+        local = t.to_local().detach()
+        ph.meta["example_value"] = users[0].meta.get("example_value", local)  # Dynamo's fake local shard
+        for u in users:
+            u.replace_all_uses_with(ph)
+            gm.graph.erase_node(u)
+        example_inputs[i] = local.requires_grad_(t.requires_grad)
+        unwrapped.append(i)
+    if unwrapped:
+        gm.graph.lint()
+        gm.recompile()
+    return example_inputs, tuple(unwrapped)
+
+
+class _LocalShards:
+    """A compiled stage graph whose DTensor inputs were unwrapped (:func:`_unwrap_dtensor_inputs`):
+    called with Dynamo's inputs, it passes ``to_local()`` of each of those (through autograd,
+    as the module's own ``to_local()`` did) and marks each local shard with its DTensor, for
+    the merged step's backward outside autograd (:func:`_merged_backward`)."""
+
+    def __init__(self, step, unwrapped: tuple[int, ...]):
+        self.step, self.unwrapped = step, unwrapped
+
+    def __call__(self, *args):
+        args = list(args)
+        for i in self.unwrapped:
+            local = args[i].to_local()
+            local._fxoverlap_dtensor = args[i]
+            args[i] = local
+        return self.step(*args)
 
 
 def _install(stage, compiler: _StageCompiler) -> None:
@@ -158,12 +253,21 @@ def _install(stage, compiler: _StageCompiler) -> None:
     original = stage.backward_one_chunk
 
     def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        compiler.backwards += 1
-        if not full_backward and compiler.backwards == compiler.n_microbatches:
+        if not full_backward and compiler.backwards + 1 == compiler.n_microbatches:
             last_backward = True
-        return original(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        out = original(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        compiler.backward_done()
+        return out
 
     stage.backward_one_chunk = backward_one_chunk
+    if compiler.reducer is not None:
+        # pipelining scales the gradients right after the stage's last backward (REDUCE_GRAD,
+        # or the end of a single-stage step); with the DP reduction in flight then, the scaling
+        # waits for it (finish_step)
+        def perform_reduce_grad(grad_scale_factor: int) -> None:
+            compiler.scale_factor = grad_scale_factor
+
+        stage.perform_reduce_grad = perform_reduce_grad
 
 
 def _wait_recv(schedule, stages, sub) -> None:
@@ -265,7 +369,8 @@ def _merged_backward(schedule, stages, sub):
     # (a graph break shows here: the last piece's inputs include an activation that is no leaf)
     if not run.args or step.draws_random_numbers():
         return None
-    leaves = [t for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
+    # a local shard of a DTensor parameter (torchtitan's EP) counts as that parameter
+    leaves = [getattr(t, "_fxoverlap_dtensor", t) for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
     if any(not t.is_leaf or not _no_hooks(t) for t in leaves):
         return None
     if any(i not in {t.output_nr for t in outs} for i in step._tangent_pos):
@@ -289,14 +394,22 @@ def _merged_backward(schedule, stages, sub):
     args = run.args  # the generator drops them from the run when done
 
     def finish() -> None:
+        shards, shard_grads = [], []
         for i, g in run.grads.items():  # as AccumulateGrad: the first gradient is taken, later ones added
             t = args[i]
             if not (isinstance(t, torch.Tensor) and t.requires_grad):
+                continue
+            if hasattr(t, "_fxoverlap_dtensor"):
+                shards.append(t)
+                shard_grads.append(g)
                 continue
             if t.grad is None:
                 t.grad = g
             else:
                 t.grad += g
+        if shards:  # local shards of DTensor parameters: through to_local's backward, as autograd would
+            torch.autograd.backward(shards, shard_grads)
+        stage._fxoverlap.backward_done()
         grad_inputs = []
         for v in input_values:  # as pipelining's stage_backward
             if isinstance(v, torch.Tensor):
@@ -374,10 +487,13 @@ def _schedule_class(cls: type) -> type:
         for st in getattr(self, "_stages", None) or [self._stage]:  # multi- or single-stage schedules
             st._fxoverlap.backwards = 0
         try:
-            return cls._step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
-                                          loss_kwargs=loss_kwargs)
+            out = cls._step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                         loss_kwargs=loss_kwargs)
         finally:
             self._fxoverlap_step_args = None
+        for st in getattr(self, "_stages", None) or [self._stage]:
+            st._fxoverlap.finish_step()  # dp_group: the reductions issued after each stage's last backward
+        return out
 
     return type(cls.__name__, (cls,), {
         "_step_microbatches": _step_microbatches,
@@ -389,7 +505,7 @@ def _schedule_class(cls: type) -> type:
 
 def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_fn: Callable | None = None,
                       ep_group: dist.ProcessGroup | None = None, config: OverlapConfig | None = None,
-                      merge: bool = True, **schedule_kwargs: Any):
+                      merge: bool = True, dp_group: dist.ProcessGroup | None = None, **schedule_kwargs: Any):
     """A ``torch.distributed.pipelining`` schedule whose F and B steps run as fxoverlap programs.
 
     ``schedule_cls`` is the pipelining schedule class, ``stages`` what it takes (one
@@ -398,6 +514,11 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     target)`` and ``schedule_kwargs`` (``scale_grads``, chunk specs, ...) are passed on to
     it. ``merge=False`` runs each ``OVERLAP_F_B`` as F then B (for comparison). ``ep_group`` is the expert-parallel group of the stage modules' MoE layers (checked;
     the layers hold it themselves); ``config`` the :class:`OverlapConfig` of every stage.
+    ``dp_group``: data parallelism; each stage's gradients are averaged over it, the
+    reduction issued (asynchronously, in flat buckets of ``config.reduce_bucket_mb``) right
+    after the stage's last backward of the step and finished at the end of the step, before
+    pipelining's gradient scaling. Its ranks are this rank's DP peers, which hold the same
+    stages (one rank of each PP group); EP 1 only, plain (not DDP-wrapped) stage modules.
 
     Returns an instance of a subclass of ``schedule_cls`` (of the same name; it keeps
     ``step``'s ``return_outputs`` and ``loss_kwargs`` for the ``OVERLAP_F_B`` function): ``schedule.step(x, target=y, losses=losses)`` as
@@ -413,17 +534,25 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
             f"yet (docs/pipeline_parallel.md)")
     if ep_group is not None and not isinstance(ep_group, dist.ProcessGroup):
         raise PipelineInputError(f"ep_group must be a torch.distributed ProcessGroup or None, got {type(ep_group).__name__}")
+    if dp_group is not None and not isinstance(dp_group, dist.ProcessGroup):
+        raise PipelineInputError(f"dp_group must be a torch.distributed ProcessGroup or None, got {type(dp_group).__name__}")
     config = config or OverlapConfig()
     from fxoverlap.backend import UNSUPPORTED_FIELDS
 
+    # with dp_group, the reduction's bucket size is honoured (its mode is all_reduce: checked below)
+    honoured = {"grad_reduce", "reduce_bucket_mb"} if dp_group is not None else set()
     fields = {f: getattr(OverlapConfig(), f) for f in UNSUPPORTED_FIELDS}
-    if refused := [f for f in UNSUPPORTED_FIELDS if getattr(config, f) != fields[f]]:
+    if refused := [f for f in UNSUPPORTED_FIELDS if f not in honoured and getattr(config, f) != fields[f]]:
         raise PipelineError(f"pipeline_schedule cannot honour OverlapConfig fields {refused}: "
-                            + "; ".join(UNSUPPORTED_FIELDS[f] for f in refused))
+                            + "; ".join(UNSUPPORTED_FIELDS[f] for f in refused)
+                            + (" (pipeline_schedule(..., dp_group=...) reduces them)" if
+                               {"grad_reduce", "reduce_bucket_mb"} & set(refused) else ""))
     multi = _is_multi_stage(schedule_cls)
     local = list(stages) if isinstance(stages, (list, tuple)) else [stages]
     if not multi and isinstance(stages, (list, tuple)):
         raise PipelineInputError(f"{schedule_cls.__name__} takes one PipelineStage, got a {type(stages).__name__}")
+    if dp_group is not None:
+        _check_dp(local, dp_group, ep_group, config)
     from torch.distributed.fsdp import FSDPModule
 
     if fsdp := [st.stage_index for st in local if isinstance(st.submod, FSDPModule)]:
@@ -433,6 +562,11 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     for st in local:
         compiler = _StageCompiler(st, config, registry)
         compiler.n_microbatches = n_microbatches
+        if dp_group is not None:
+            from fxoverlap.grad_reduce import GradAllReduce
+
+            compiler.reducer = GradAllReduce(list(st.submod.parameters()), dp_group,
+                                             int(config.reduce_bucket_mb * 2**20))
         _install(st, compiler)
     schedule = _schedule_class(schedule_cls)(stages, n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
     if multi:
@@ -444,8 +578,50 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     schedule.fxoverlap_merged_steps = 0  # of which F and B ran in turns (the rest: F then B)
     schedule.fxoverlap_merge = merge
     schedule.fxoverlap_ep_group = ep_group
+    schedule.fxoverlap_dp_group = dp_group
     schedule.fxoverlap_config = config
     return schedule
+
+
+def _check_dp(stages: list, dp_group: dist.ProcessGroup, ep_group: dist.ProcessGroup | None,
+              config: OverlapConfig) -> None:
+    """What ``pipeline_schedule(..., dp_group=...)`` needs of the stages and groups, checked
+    on this rank without communication."""
+    from torch.distributed.tensor import DTensor
+
+    me = dist.get_rank()
+    if dist.get_rank(dp_group) < 0:
+        raise PipelineInputError(f"dp_group: rank {me} is not a member of it (a rank outside the ranks given to "
+                                 f"dist.new_group gets a placeholder); pass each rank the DP group it belongs to")
+    dp = set(dist.get_process_group_ranks(dp_group))
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:
+        raise PipelineError(f"pipeline_schedule(dp_group=...) with expert parallelism (ep_group of "
+                            f"{dist.get_world_size(ep_group)} ranks) is not supported yet: expert gradients would "
+                            f"reduce over the expert-data-parallel group, dense ones over dp_group; use EP 1 with "
+                            f"dp_group, or reduce the gradients yourself after step (docs/pipeline_parallel.md)")
+    if config.grad_reduce != "all_reduce":
+        raise PipelineError(f"pipeline_schedule(dp_group=...) reduces with all_reduce; OverlapConfig(grad_reduce="
+                            f"{config.grad_reduce!r}) (sharded gradients) is not supported under pipeline parallelism")
+    seen: dict[int, int] = {}
+    for st in stages:
+        where = f"pipeline stage {st.stage_index} ({type(st.submod).__name__})"
+        if isinstance(st.submod, nn.parallel.DistributedDataParallel):
+            raise PipelineInputError(f"{where} is wrapped in DistributedDataParallel and dp_group is given: the "
+                                     f"gradients would be reduced twice; pass the plain stage module, or no dp_group")
+        pp = set(dist.get_process_group_ranks(st.group)) if st.group is not None else set(range(dist.get_world_size()))
+        if dp & pp != {me}:
+            raise PipelineInputError(
+                f"{where}: dp_group {sorted(dp)} and the pipeline group {sorted(pp)} share ranks {sorted(dp & pp)}; "
+                f"the DP group holds one rank of each pipeline (the ranks that hold the same stages), which meets "
+                f"this rank's pipeline group in this rank only")
+        for name, p in st.submod.named_parameters():
+            if isinstance(p, DTensor):
+                raise PipelineError(f"{where}: parameter {name} is a DTensor; pipeline_schedule(dp_group=...) "
+                                    f"reduces plain gradients (reduce DTensor gradients over their mesh yourself)")
+            if seen.setdefault(id(p), st.stage_index) != st.stage_index:
+                raise PipelineError(f"{where}: parameter {name} belongs to pipeline stage {seen[id(p)]} too; its "
+                                    f"gradient is not final after either stage's last backward, where dp_group's "
+                                    f"reduction starts (tied weights across stages are not supported with dp_group)")
 
 
 def stage_layout(schedule: type | str, pp: int, pp_rank: int) -> tuple[int, list[int]]:

@@ -3,7 +3,9 @@ fxoverlap programs, against the unpipelined model run eagerly (tests/support/pp_
 
 PP 2 x EP 1 on 2 gloo ranks, PP 2 x EP 2 on 4; Schedule1F1B, ScheduleInterleaved1F1B and
 ScheduleDualPipeV (which emits OVERLAP_F_B and the BACKWARD_INPUT/BACKWARD_WEIGHT split); 4
-microbatches; the reference MoE model, an mHC model and torchtitan's Qwen3-MoE. With
+microbatches; the reference MoE model, an mHC model and torchtitan's Qwen3-MoE (at EP 1, and
+at EP 2 with torchtitan's own EP: DTensor expert weights); PP 2 x DP 2 with DDP stage modules
+and with pipeline_schedule(..., dp_group=...). With
 ``compiler="eager"`` the stage programs run eager's kernels in eager's order, and
 pipelining accumulates each stage's microbatch gradients in the reference's order, so
 losses and gradients are bitwise equal.
@@ -22,7 +24,9 @@ import pp_cases
 
 
 def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: bool, merged: bool | None = True,
-           bitwise: bool = True) -> None:
+           bitwise: bool = True, layerless: tuple[int, ...] = ()) -> None:
+    """``layerless``: pipeline stages that hold no decoder layer (torchtitan's split can leave
+    the last one with the norm and the head only)."""
     assert any("losses" in r for r in results)
     for r in results:
         where = f"rank {r['rank']} stages {r['stages']}"
@@ -43,7 +47,8 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
         assert all(n == 4 for n in r["forward_calls"].values()), (where, r["forward_calls"])
         for idx, stages in r["fxoverlap_stages"].items():
             assert {d for _, d, _ in stages} == {"fwd", "bwd"}, (where, idx)
-            assert any(layer >= 0 and kind not in ("embed", "head") for kind, _, layer in stages), (where, idx)
+            assert idx in layerless or any(layer >= 0 and kind not in ("embed", "head") for kind, _, layer in stages), \
+                (where, idx)
         if overlap and merged is None:  # some merged, some not
             assert r["overlap_steps"] > 0, where
         elif overlap and not merged:  # merge=False: F then B, through autograd
@@ -53,6 +58,12 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
             assert len(r["merged_calls"]) == r["merged_steps"], where
             for calls in r["merged_calls"]:
                 dirs = [d for d, _ in calls]
+                if layerless and ("fwd", "dispatch") not in calls:
+                    # F of a layerless stage (the head only): no all-to-all to put B's compute
+                    # under; F runs, then B
+                    assert dirs[0] == "fwd" and "bwd" in dirs and all(k == "head" for d, k in calls if d == "fwd"), \
+                        (where, calls)
+                    continue
                 # interleaved: a backward stage runs before the forward's last stage, and right
                 # after the forward's first dispatch (its compute under that all-to-all)
                 assert "bwd" in dirs and dirs.index("bwd") < len(dirs) - 1 - dirs[::-1].index("fwd"), (where, calls)
@@ -85,6 +96,31 @@ def test_pp2_ep2(schedule):
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
 
 
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+def test_pp2_ep2_torchtitan_expert_parallel(schedule):
+    """torchtitan 0.3.0's Qwen3-MoE with torchtitan's own EP: split by torchtitan's _split_module,
+    each stage module then parallelized by torchtitan (ParallelDims(pp=2, ep=2): DTensor expert
+    weights, its AllToAllTokenDispatcher with split sizes read on the host), as its pipeline_llm
+    does; the reference is the whole model parallelized the same way, run eagerly. The stage
+    graphs take the experts' local shards (the experts read only w.to_local()), the split sizes
+    stay in the graph as unbacked sizes. Losses and gradients bitwise; every expert gradient a
+    DTensor with the reference's mesh and placements; the all-to-alls in dispatch/combine
+    stages; every OVERLAP_F_B merged (DualPipeV; its 4-stage split leaves stage 3 the norm and
+    the head only)."""
+    pytest.importorskip("torchtitan.models.qwen3", reason="torchtitan 0.3.0 is not installed")
+    results = run_distributed(pp_cases.run_case, schedule, "titan", 2, world_size=4)
+    dualpipe = schedule == "ScheduleDualPipeV"
+    _check(results, schedule, 2 if dualpipe else 1, overlap=dualpipe, layerless=(3,) if dualpipe else ())
+    # decoder layers per stage as torchtitan splits 4 layers (embedding and head weighing a layer each)
+    layers = {0: 1, 1: 2, 2: 1, 3: 0} if dualpipe else {0: 2, 1: 2}
+    for r in results:
+        # a DTensor gradient for each expert weight (w1, w2, w3) of each MoE layer of this rank's stages
+        assert r["dtensor_grads"] == 3 * sum(layers[s] for s in r["stages"]), (r["stages"], r["dtensor_grads"])
+        assert not r["grad_kinds_differ"], r["grad_kinds_differ"]
+        kinds = {k for st in r["fxoverlap_stages"].values() for k, _, _ in st}
+        assert {"dispatch", "experts", "combine"} <= kinds, kinds
+
+
 @pytest.mark.parametrize("kind,config", [
     ("ac", {}),  # activation checkpointing: the layers' recompute stages inside each stage program
     ("ref", {"dispatcher": "padded"}),  # a static dispatcher
@@ -104,6 +140,18 @@ def test_stage_without_layer_list_raises():
     assert "StageLayersNotFound" in names, res["chain"]
     msg = dict(res["chain"])["StageLayersNotFound"]
     assert "pipeline stage 0" in msg and "ModuleDict" in msg and "layer_container" in msg
+
+
+def test_stage_with_dtensor_used_beyond_to_local_raises():
+    """A DTensor parameter the stage module reads other than through to_local() (here
+    full_tensor()): the stage compile names the stage, the graph input and the fix."""
+    (res,) = run_distributed(pp_cases.error_case, "dtensor", world_size=1)
+    assert res["raised"]
+    names = [n for n, _ in res["chain"]]
+    assert "PipelineError" in names, res["chain"]
+    msg = dict(res["chain"])["PipelineError"]
+    assert "pipeline stage 0 (DTensorHeadStage)" in msg and "is a DTensor" in msg and "full_tensor" in msg, msg
+    assert "to_local()" in msg and "fxoverlap.optimize" in msg, msg
 
 
 def test_unsupported_schedule_raises():
@@ -155,6 +203,46 @@ def test_pp2_dp2_ddp_stage_modules(schedule):
         assert not r["missing"] and r["n_grads"] > 0, r
         assert r["max_abs_diff"] <= 1e-6 * r["max_abs_ref"], r
         assert all(n > 0 for n in r["stages"].values()), r
+
+
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+def test_pp2_dp2_dp_group_reduction(schedule):
+    """PP 2 x DP 2 with fxoverlap's own reduction: plain stage modules, pipeline_schedule(...,
+    dp_group=...). Each stage's gradients are all-reduced over its DP group once per step, the
+    reduction issued right after the stage's last backward (its 4th) and finished at the end of
+    the step, before pipelining's scaling; two steps (zeroed in between) to see it again. Against
+    the eager model's gradients averaged over DP: fp32, 1e-6 relative per parameter (the
+    reduction sums and divides in another order; measured bitwise here: with 2 DP ranks a sum
+    of two is order-free and the divisions by 2 and 4 are exact). DualPipeV's OVERLAP_F_B
+    steps all merge (no DDP hooks to keep them in autograd). reduce_bucket_mb=0.001 (1 KiB):
+    several buckets per stage."""
+    results = run_distributed(pp_cases.run_dp_case, schedule, "dp_group",
+                              {"steps": 2, "config": {"reduce_bucket_mb": 0.001}}, world_size=4)
+    for r in results:
+        assert not r["missing"] and r["n_grads"] > 0, r
+        assert r["grad_rel_l2"] <= 1e-6 and r["max_abs_diff"] <= 1e-6 * r["max_abs_ref"], r
+        stages = sorted(r["stages"])
+        assert all(n > 0 for n in r["stages"].values()), r
+        # once per stage per step, after its last backward
+        assert sorted(r["reduce_starts"]) == sorted([(s, 4) for s in stages] * 2), r["reduce_starts"]
+        assert all(n > 1 for n in r["buckets"].values()), r["buckets"]
+        if schedule == "ScheduleDualPipeV":
+            assert r["overlap_steps"] > 0 and r["merged_steps"] == r["overlap_steps"], r
+
+
+def test_dp_group_errors():
+    """pipeline_schedule(dp_group=...) refuses what it cannot reduce (2 ranks, one pipeline)."""
+    res = run_distributed(pp_cases.dp_error_case, world_size=2)[0]
+    assert res["not_group"].startswith("PipelineInputError: dp_group must be a torch.distributed ProcessGroup"), res
+    assert res["ddp"].startswith("PipelineInputError: pipeline stage 0 (DistributedDataParallel) is wrapped in "
+                                 "DistributedDataParallel and dp_group is given"), res
+    assert res["reduce_scatter"].startswith("PipelineError: pipeline_schedule(dp_group=...) reduces with "
+                                            "all_reduce"), res
+    assert res["bucket_without_dp"].startswith("PipelineError: pipeline_schedule cannot honour OverlapConfig "
+                                               "fields ['reduce_bucket_mb']"), res
+    assert "dp_group=...) reduces them" in res["bucket_without_dp"], res
+    assert res["shares_pipeline"].startswith("PipelineInputError: pipeline stage 0 (MoEStage): dp_group [0, 1] and "
+                                             "the pipeline group [0, 1] share ranks [0, 1]"), res
 
 
 def test_pp2_ep2_hf_qwen3_moe():

@@ -47,6 +47,28 @@ class BreakStage(RefStage):
         return h
 
 
+class DTensorHeadStage(RefStage):
+    """RefStage whose head weight is a DTensor (replicated over the default group) that the
+    forward reads with ``full_tensor()``, not ``to_local()``: the stage compile refuses it."""
+
+    def __init__(self, model: MoETransformer, layer_ids: list[int], first: bool, last: bool):
+        super().__init__(model, layer_ids, first, last)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        self.head_w = nn.Parameter(distribute_tensor(self.output.weight.detach().clone(), mesh, [Replicate()]))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            h = self.tok_embeddings(h)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.last:
+            h = F.linear(self.norm(h), self.head_w.full_tensor())
+        return h
+
+
 class NoListStage(nn.Module):
     """A stage module whose MoE layers are plain attributes: no layer list to find."""
 
@@ -90,12 +112,33 @@ def titan_next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.T
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def _build_titan():
-    """torchtitan 0.3.0's Qwen3-MoE, tiny, N_LAYERS layers, one rank of EP (titan_real.py)."""
+def _titan_dims(pp: int, ep: int):
+    """torchtitan's ``ParallelDims`` for PP ``pp`` x EP ``ep`` over the default group (its
+    mesh lays ranks out as ``pp_ep_groups`` does: the EP groups are the rows), with the
+    test-side settings of titan_real.build (the partial-DTensor backend, a CPU mesh)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as titan_dist
+
+    titan_dist.set_spmd_backend("partial_dtensor")
+    parallel_dims.device_type = "cpu"
+    world = dist.get_world_size()
+    return ParallelDims(dp_replicate=1, dp_shard=world // pp, cp=1, tp=1, pp=pp, ep=ep, world_size=world,
+                        spmd_backend="partial_dtensor")
+
+
+def _build_titan(ep: int = 1):
+    """torchtitan 0.3.0's Qwen3-MoE, tiny, N_LAYERS layers (titan_real.py), not yet parallelized;
+    with ``ep > 1`` its sharding configs are set for torchtitan's EP (``model.parallelize``)."""
     import titan_real
 
+    cfg = titan_real.qwen3_moe_config(n_layers=N_LAYERS)
+    if ep > 1:
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+        set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=True)
     torch.manual_seed(0)
-    model = titan_real.qwen3_moe_config(n_layers=N_LAYERS).build()
+    model = cfg.build()
     model.init_states()
     return model.train(), titan_real.VOCAB
 
@@ -152,6 +195,17 @@ def _build_hf(ep_group):
     return fxoverlap.expert_parallel(model, ep_group), hf_cases.VOCAB
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What kind of tensor ``t`` is: its type, and for a DTensor its mesh's ranks and placements."""
+    mesh = getattr(t, "device_mesh", None)
+    return (type(t).__name__, None if mesh is None else mesh.mesh.tolist(), str(getattr(t, "placements", "")))
+
+
 def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dict | None = None) -> dict:
     """``opts``: ``n_mb`` (4), ``stage_cls`` ("RefStage"), ``loss_weight`` (1.0: passed to
     ``step`` as ``loss_kwargs``), ``config`` (OverlapConfig fields; ``compiler="eager"``)."""
@@ -167,11 +221,16 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     ep_group = ep_group if ep > 1 else None
     g = torch.Generator().manual_seed(100 + ep_rank)  # EP peers: different data
     titan = kind == "titan"
-    if titan and ep != 1:
-        raise ValueError("the torchtitan case runs at EP 1 (torchtitan's EP makes DTensor parameters, "
-                         "which the per-stage backend refuses)")
+    # torchtitan's own EP: its ParallelDims over the same PP x EP layout; the reference model
+    # and each stage module are parallelized by torchtitan (DTensor expert weights), the
+    # stage modules after the PP split, as torchtitan's pipeline_llm does
+    dims = _titan_dims(pp, ep) if titan and ep > 1 else None
+    if dims is not None:
+        ep_group = dims.get_mesh("ep").get_group()
     hf = kind == "hf"
-    model, vocab = _build_titan() if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
+    model, vocab = _build_titan(ep) if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
+    if dims is not None:
+        model.parallelize(dims)
     lossf = titan_next_token_loss if titan else hf_next_token_loss if hf else loss_fn
     lkw = {"weight": loss_weight} if loss_weight != 1.0 else {}  # step(loss_kwargs=...)
     x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
@@ -190,7 +249,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     del model
 
-    model, _ = _build_titan() if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
+    model, _ = _build_titan(ep) if titan else _build_hf(ep_group) if hf else _build(kind, ep_group)
     n_stages, mine = stage_layout(schedule, pp, pp_rank)
     per = N_LAYERS // n_stages
     make = HFStage if hf else {"RefStage": RefStage, "NoListStage": NoListStage, "BreakStage": BreakStage}[stage_cls]
@@ -198,6 +257,8 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     for s in mine:
         if titan:  # a deep copy: its parameters keep the whole model's names
             mod = _titan_stage(model, n_stages, s)
+            if dims is not None:
+                mod.parallelize(dims)
             names.update({id(p): k for k, p in mod.named_parameters()})
         else:  # references to the whole model's modules
             mod = make(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
@@ -245,7 +306,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
 
     out: dict = {"rank": rank, "stages": mine, "schedule_type": type(sched).__name__,
                  "is_subclass": isinstance(sched, cls)}
-    worst, scale, bitwise, missing, count, rel = 0.0, 0.0, True, [], 0, 0.0
+    worst, scale, bitwise, missing, count, rel, dtensor_grads, kinds = 0.0, 0.0, True, [], 0, 0.0, 0, []
     for st in stages:
         for p in st.submod.parameters():
             k = names[id(p)]
@@ -256,12 +317,16 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
             if r is None:
                 continue
             count += 1
-            rel = max(rel, ((p.grad.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item())
-            worst = max(worst, (p.grad.double() - r.double()).abs().max().item())
+            if _layout(p.grad) != _layout(r):  # a DTensor gradient: the reference's mesh and placements
+                kinds.append((k, _layout(p.grad), _layout(r)))
+            g, r = _local(p.grad), _local(r)  # torchtitan's EP: DTensor gradients, compared shard by shard
+            dtensor_grads += g is not p.grad
+            rel = max(rel, ((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item())
+            worst = max(worst, (g.double() - r.double()).abs().max().item())
             scale = max(scale, r.double().abs().max().item())
-            bitwise &= torch.equal(p.grad, r)
+            bitwise &= torch.equal(g, r)
     out.update(grad_rel_l2=rel, grad_max_abs_diff=worst, grad_max_abs_ref=scale, grad_bitwise=bitwise, missing=missing,
-               n_grads=count)
+               n_grads=count, dtensor_grads=dtensor_grads, grad_kinds_differ=kinds)
     if has_last:
         out["losses"] = [float(v.detach()) for v in losses]
         out["ref_losses"] = [float(v) for v in ref_losses]
@@ -282,7 +347,7 @@ def error_case(rank: int, world: int, which: str) -> dict:
     import torch.distributed.pipelining as pipelining
 
     model, vocab = _build("ref", None)
-    make = {"nolist": NoListStage, "ok": RefStage}[which]
+    make = {"nolist": NoListStage, "dtensor": DTensorHeadStage, "ok": RefStage}[which]
     mod = make(model, list(range(N_LAYERS)), True, True)
     stage = pipelining.PipelineStage(mod, 0, 1, torch.device("cpu"), group=dist.group.WORLD)
     sched = fxoverlap.pipeline_schedule(pipelining.Schedule1F1B, stage, 2, loss_fn=loss_fn)
@@ -298,14 +363,17 @@ def error_case(rank: int, world: int, which: str) -> dict:
     return {"raised": False, "grads": sum(p.grad is not None for p in mod.parameters())}
 
 
-def run_dp_case(rank: int, world: int, schedule: str) -> dict:
-    """PP 2 x DP 2 (EP 1) on 4 ranks: each stage module in DistributedDataParallel over its DP
-    group (each DP rank its own data). The reference: the unpipelined model, eager, gradients
-    divided by the microbatch count, averaged over the DP group."""
+def run_dp_case(rank: int, world: int, schedule: str, mode: str = "ddp", opts: dict | None = None) -> dict:
+    """PP 2 x DP 2 (EP 1) on 4 ranks, each DP rank its own data: ``mode="ddp"``: each stage module
+    in DistributedDataParallel over its DP group; ``"dp_group"``: plain stage modules,
+    ``pipeline_schedule(..., dp_group=...)`` reduces. ``opts``: ``config`` (OverlapConfig fields),
+    ``steps`` (1: steps run, gradients zeroed before the last). The reference: the unpipelined
+    model, eager, gradients divided by the microbatch count, averaged over the DP group."""
     import torch.distributed.pipelining as pipelining
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     n_mb, dp = 4, 2
+    opts = opts or {}
     pp, pp_rank, dp_rank, _, pp_group = pp_ep_groups(dp)
     dp_group = None
     for r in range(pp):  # the rows of the mesh (the groups pp_ep_groups made first) again, as DP groups
@@ -332,16 +400,34 @@ def run_dp_case(rank: int, world: int, schedule: str) -> dict:
     per = N_LAYERS // n_stages
     stages = []
     for s in mine:
-        mod = DDP(RefStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1),
-                  process_group=dp_group)
+        mod = RefStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1)
+        if mode == "ddp":
+            mod = DDP(mod, process_group=dp_group)
         stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
     cls = getattr(pipelining, schedule)
     arg = stages[0] if schedule == "Schedule1F1B" else stages
     sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn,
-                                        config=fxoverlap.OverlapConfig(compiler="eager"))
+                                        config=fxoverlap.OverlapConfig(compiler="eager", **opts.get("config", {})),
+                                        dp_group=dp_group if mode == "dp_group" else None)
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    sched.step(*((x,) if has_first else ()), **(dict(target=y, losses=[]) if has_last else {}))
-    worst = scale = 0.0
+    # when each stage's dp_group reduction started: (stage, its backwards run in the step by then)
+    starts: list[tuple[int, int]] = []
+    for st in stages:
+        red = st._fxoverlap.reducer
+        if red is not None:
+            orig_start = red.start
+
+            def start(st=st, orig=orig_start):
+                starts.append((st.stage_index, st._fxoverlap.backwards))
+                orig()
+
+            red.start = start
+    for i in range(opts.get("steps", 1)):
+        if i:  # a later step: the same gradients again, from zero
+            for st in stages:
+                st.submod.zero_grad(set_to_none=True)
+        sched.step(*((x,) if has_first else ()), **(dict(target=y, losses=[]) if has_last else {}))
+    worst = scale = rel = 0.0
     missing, count = [], 0
     for st in stages:
         for p in st.submod.parameters():
@@ -350,9 +436,44 @@ def run_dp_case(rank: int, world: int, schedule: str) -> dict:
                 missing.append(k)
                 continue
             count += 1
-            worst = max(worst, (p.grad.double() - ref[k].double()).abs().max().item())
+            d = p.grad.double() - ref[k].double()
+            rel = max(rel, (d.norm() / ref[k].double().norm().clamp_min(1e-30)).item())
+            worst = max(worst, d.abs().max().item())
             scale = max(scale, ref[k].double().abs().max().item())
     return {"rank": rank, "missing": missing, "n_grads": count, "max_abs_diff": worst, "max_abs_ref": scale,
-            "stages": {i: len(v) for i, v in sched.fxoverlap_stages.items()},
+            "grad_rel_l2": rel, "stages": {i: len(v) for i, v in sched.fxoverlap_stages.items()}, "reduce_starts": starts,
+            "buckets": {st.stage_index: len(st._fxoverlap.reducer.buckets()) for st in stages
+                        if st._fxoverlap.reducer is not None},
             "merged_steps": getattr(sched, "fxoverlap_merged_steps", None),
             "overlap_steps": getattr(sched, "fxoverlap_overlap_steps", None)}
+
+
+def dp_error_case(rank: int, world: int) -> dict:
+    """What ``pipeline_schedule(..., dp_group=...)`` refuses, each error as ``"Type: message"``;
+    the stages are built only (nothing runs). Two ranks: the pipeline group is the world."""
+    import torch.distributed.pipelining as pipelining
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, _ = _build("ref", None)
+
+    def stage(wrap=lambda m: m):
+        mod = wrap(RefStage(model, list(range(N_LAYERS)), rank == 0, rank == world - 1))
+        return pipelining.PipelineStage(mod, rank, world, torch.device("cpu"), group=dist.group.WORLD)
+
+    def error(**kwargs) -> str:
+        st = kwargs.pop("st", None) or stage()
+        try:
+            fxoverlap.pipeline_schedule(pipelining.Schedule1F1B, st, 4, loss_fn=loss_fn, **kwargs)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    mine = groups[rank]  # a DP group of this rank alone: meets the pipeline group in this rank
+    return {
+        "not_group": error(dp_group="dp"),
+        "ddp": error(st=stage(lambda m: DDP(m, process_group=mine)), dp_group=mine),
+        "reduce_scatter": error(dp_group=mine, config=fxoverlap.OverlapConfig(grad_reduce="reduce_scatter")),
+        "bucket_without_dp": error(config=fxoverlap.OverlapConfig(reduce_bucket_mb=1.0)),
+        "shares_pipeline": error(dp_group=dist.group.WORLD),
+    }
