@@ -128,8 +128,9 @@ def _chunk(st: PassState) -> None:
     st.graph = cut.graph
     if cut.skipped:
         whys = "; ".join(f"layer {layer}: {why}" for layer, why in cut.skipped.items())
+        # printed when the user asked for chunks; with the per-device default, only logged
         _progress(f"fxoverlap: chunks={cut.chunks} cut layers {cut.layers or 'none'}; left whole: {whys}",
-                  show=st.config.progress)
+                  show=st.config.progress and st.config.chunks is not None)
 
 
 def _recompute(st: PassState) -> None:
