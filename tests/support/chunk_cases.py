@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,25 @@ def _compare(losses, ref_losses, model, ref) -> dict:
     return dict(losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
                 loss_rel=max(((a - b).abs() / b.abs()).item() for a, b in zip(losses, ref_losses)),
                 grad_rel=diff / scale, grads_bitwise=bitwise)
+
+
+@contextlib.contextmanager
+def chunk_log_lines() -> Iterator[list[str]]:
+    """The ``fxoverlap`` log lines about chunks (which layers were cut, which left whole and why)."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    log = logging.getLogger("fxoverlap")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    lines: list[str] = []
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        lines.extend(m for m in records if "chunks=" in m)
 
 
 def _stages(stages) -> list[tuple]:
@@ -101,13 +122,7 @@ def random_experts(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     model = RandomTransformer(MoEConfig.tiny(**RCFG), dist.group.WORLD)
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: records.append(rec.getMessage())
-    log = logging.getLogger("fxoverlap")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
+    with chunk_log_lines() as lines:
         engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(compiler="eager", chunks=2))
         mbs = make_batches(rank, RCFG["vocab_size"], 2)
         torch.manual_seed(SEED)
@@ -116,9 +131,7 @@ def random_experts(rank: int, world: int) -> dict:
         torch.manual_seed(SEED)
         losses = engine.forward_backward(mbs)
         generator_equal = torch.equal(state, torch.get_rng_state())
-    finally:
-        log.removeHandler(handler)
-    return dict(stages=_stages(engine.stages), log=[r for r in records if "chunks=" in r],
+    return dict(stages=_stages(engine.stages), log=lines,
                 generator_equal=generator_equal, **_compare(losses, ref_losses, model, ref))
 
 
@@ -151,14 +164,6 @@ def titan_two_ranks(rank: int, world: int) -> dict:
     whole and says why; the step stays eager's."""
     import titan_real
 
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: records.append(rec.getMessage())
-    log = logging.getLogger("fxoverlap")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
+    with chunk_log_lines() as lines:
         r = titan_real.train_vs_eager("qwen3_moe", ep=2, n=2, rank=rank, config={"chunks": 2})
-    finally:
-        log.removeHandler(handler)
-    return dict(r, log=[m for m in records if "chunks=" in m])
+    return dict(r, log=lines)
