@@ -173,3 +173,25 @@ def test_one_rank_chunks_share_one_host_read_and_merge_by_slices():
     assert a2a._recall(first, a2a._chunk_plans) is not None
     assert torch.equal(a2a.merge_chunks(parts, counts, 1, x.shape[0], first), x)
     assert torch.equal(a2a.merge_chunks(parts, counts, 1, x.shape[0]), x)  # the device path agrees
+
+
+def test_emulated_link_sees_the_same_bytes_in_more_calls():
+    """Under the emulated link (one rank standing in for EP 2): chunks=2 moves the bytes chunks=1
+    moves, in twice the dispatch/combine calls (each chunk pays the link's latency)."""
+    from fxoverlap.kernels import emulated_link as el
+    from fxoverlap.models import MoEConfig, MoETransformer
+    from fxoverlap.testing import token_batches
+
+    seen = {}
+    for chunks in (1, 2):
+        torch.manual_seed(0)
+        model = MoETransformer(MoEConfig.tiny(n_layers=2, n_experts=8))
+        engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(compiler="eager", chunks=chunks))
+        counter = el.Counter()
+        with el.using(el.preset("nvlink", ep=2, experts=8)), el.standin(counter):
+            engine.forward_backward(token_batches(64, 2, (2, 8)))
+        seen[chunks] = counter.by_op()
+    assert set(seen[1]) == set(seen[2]) == {"dispatch", "combine"}
+    for op in ("dispatch", "combine"):
+        assert seen[2][op][0] == 2 * seen[1][op][0]
+        assert seen[2][op][1] == seen[1][op][1]
