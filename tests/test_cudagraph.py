@@ -296,7 +296,8 @@ def fake_cuda(monkeypatch):
     return backend
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5])
+# 3 microbatches already replay each parity's graphs for a second microbatch; 5 (tried) add CI time, not cases
+@pytest.mark.parametrize("n", [1, 2, 3])
 @pytest.mark.parametrize("routing", ["capacity", "dropless"])
 def test_replay_logic_bitwise(fake_cuda, routing, n):
     mbs = _batches(n, 256, seed=n)
