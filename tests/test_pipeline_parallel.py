@@ -142,6 +142,21 @@ def test_pp2_ep1_dualpipe_p2p_order():
     _check_p2p_order(results)
 
 
+def test_pp2_ep1_dualpipe_defer_pp_recv_keeps_p2p_order():
+    """DualPipeV with defer_pp_recv=True: on the lower PP rank pipelining flushes the deferred
+    receives from the peer right before each send to it (its deadlock-free order), so a RECV
+    sits between an OVERLAP_F_B step and its SEND actions; that rank's steps send nothing early
+    (pipelining's SEND actions send), the higher rank's still do. Bitwise, nothing sent twice."""
+    results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", "ref", 1,
+                              {"schedule_kwargs": {"defer_pp_recv": True}}, world_size=2)
+    _check(results, "ScheduleDualPipeV", 2, overlap=True)
+    by_rank = {r["rank"]: r for r in results}
+    for r in results:
+        assert r["sends"]["total"] == r["sends"]["actions"], r["sends"]
+    assert by_rank[0]["sends"]["early"] == 0, by_rank[0]["sends"]
+    assert by_rank[1]["sends"]["early"] > 0, by_rank[1]["sends"]
+
+
 @pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
 def test_pp2_ep2_torchtitan_expert_parallel(schedule):
     """torchtitan 0.3.0's Qwen3-MoE with torchtitan's own EP: split by torchtitan's _split_module,

@@ -208,7 +208,8 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dict | None = None) -> dict:
     """``opts``: ``n_mb`` (4), ``stage_cls`` ("RefStage"), ``loss_weight`` (1.0: passed to
-    ``step`` as ``loss_kwargs``), ``config`` (OverlapConfig fields; ``compiler="eager"``)."""
+    ``step`` as ``loss_kwargs``), ``config`` (OverlapConfig fields; ``compiler="eager"``),
+    ``schedule_kwargs`` (to the schedule class)."""
     import torch.distributed.pipelining as pipelining
 
     opts = opts or {}
@@ -273,7 +274,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     arg = stages[0] if schedule in ("Schedule1F1B", "ScheduleGPipe") else stages
     sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=lossf, ep_group=ep_group,
                                         config=fxoverlap.OverlapConfig(**config), merge=opts.get("merge", True),
-                                        scale_grads=scale_grads)
+                                        scale_grads=scale_grads, **opts.get("schedule_kwargs", {}))
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
     losses: list = []
