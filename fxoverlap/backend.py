@@ -85,7 +85,7 @@ import logging
 import re
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx
@@ -138,19 +138,26 @@ _last: CompiledStep | None = None
 # (CompiledStep.backward_in_turns) that the next compiled forward runs in turns with its
 # own chunks; set by run_in_turns, taken by the forward that runs.
 _in_turns = None
+# what of that generator the forward left after its last chunk (run_in_turns runs it)
+_turns_left = None
 
 
-def run_in_turns(other, forward):
+def run_in_turns(other, forward, after_forward: Callable[[], None] | None = None):
     """Call ``forward()`` (which runs a compiled step's forward) with the generator ``other``
-    run in turns with that forward's chunks; what of ``other`` is left when ``forward``
-    returns (it compiled anew, or ran no compiled step) runs after it. Returns ``forward()``'s
-    result."""
-    global _in_turns
-    _in_turns = other
+    run in turns with that forward's chunks; what of ``other`` is left after the forward's
+    last chunk (or all of it, when ``forward`` compiled anew or ran no compiled step) runs
+    once ``forward`` has returned and ``after_forward()`` has run: a pipeline stage hands
+    the forward's outputs on there (its send) before the rest of ``other``. Returns
+    ``forward()``'s result."""
+    global _in_turns, _turns_left
+    _in_turns, _turns_left = other, None
     try:
         out = forward()
     finally:
-        left, _in_turns = _in_turns, None
+        left = _in_turns if _in_turns is not None else _turns_left
+        _in_turns = _turns_left = None
+    if after_forward is not None:
+        after_forward()
     if left is not None:
         for _ in left:
             pass
@@ -567,16 +574,20 @@ class CompiledStep:
                 self._plain = self._make_plain()
             runner = self._plain
         state = runner.start(static, [[args[i] for i in self._input_src]], tangents=[()])
-        global _in_turns
+        global _in_turns, _turns_left
         other, _in_turns = _in_turns, None
         if other is None:
             runner.execute(state, "forward")
         else:  # a merged step: this forward and another program's backward, in turns
-            for span in runner.turns("forward"):
+            spans = runner.turns("forward")
+            for k, span in enumerate(spans):
                 runner.execute(state, span)
-                next(other, None)
-            for _ in other:
-                pass
+                if k + 1 < len(spans):
+                    next(other, None)
+            # the rest of the other program runs after this forward has returned
+            # (run_in_turns), so the caller can send this forward's outputs on first; the
+            # chunks run in the same order as if they ran here
+            _turns_left = other
             if runner.streams:
                 runner.streams[StreamKind.COMP].wait_stream(runner.streams[StreamKind.COMM])
         if runner.cuda_graphs is not None:

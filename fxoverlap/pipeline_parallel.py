@@ -26,7 +26,11 @@ What is hooked, and where (``docs/pipeline_parallel.md``):
   F(i) ⊗ B(j): F(i)'s forward program and B(j)'s backward program in turns, each stopping
   after each of its comm stages, B(j) outside autograd (:func:`_merged_backward`), with
   pipelining's receives, loss and V-schedule hand-offs as the runtime's own
-  ``_perform_action`` does them; F then B through autograd where B cannot leave it exactly;
+  ``_perform_action`` does them; F then B through autograd where B cannot leave it exactly.
+  Its P2P (:class:`_EarlySends`): each receive is waited right before its data is used (B's
+  after F's first chunk), F's output is sent as soon as F has returned (before the rest of
+  B), B's input gradients as soon as B is done, with pipelining's own ops; the schedule's
+  later ``SEND_F`` / ``SEND_B`` action for them then finds nothing left to send;
 - ZeroBubble splits (``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT``, which DualPipeV emits):
   fxoverlap's backward is one autograd node that hands out input and weight gradients
   together, which ``torch.autograd.grad(inputs=...)`` cannot split. Each stage gets
@@ -107,6 +111,9 @@ class _StageCompiler:
         # gradient scaling (deferred to then: scale_factor) follows
         self.reducer = None  # grad_reduce.GradAllReduce
         self.scale_factor: int | None = None
+        # (forward?, microbatch) of the sends an OVERLAP_F_B step issued early (_EarlySends);
+        # the schedule's own SEND_F / SEND_B action for them finds no ops left
+        self.sent: set[tuple[bool, int]] = set()
         self.module = stage.submod
         self.compiled = torch.compile(stage.submod, backend=self._backend, dynamic=False, fullgraph=False)
 
@@ -260,6 +267,21 @@ def _install(stage, compiler: _StageCompiler) -> None:
         return out
 
     stage.backward_one_chunk = backward_one_chunk
+    # an OVERLAP_F_B step sends its F's output and its B's input gradients as soon as each is
+    # produced (_EarlySends), with pipelining's own ops; the schedule's SEND_F / SEND_B action
+    # for them comes after the step and then gets no ops (pipelining's _batch_p2p([]) issues
+    # nothing), so nothing is sent twice and the bwd_cache entry (which get_bwd_send_ops pops)
+    # is popped once
+    for fwd, name in ((True, "get_fwd_send_ops"), (False, "get_bwd_send_ops")):
+        stage_ops = getattr(stage, name)
+
+        def send_ops(chunk_id: int, fwd: bool = fwd, stage_ops=stage_ops) -> list:
+            if (fwd, chunk_id) in compiler.sent:
+                compiler.sent.discard((fwd, chunk_id))
+                return []
+            return stage_ops(chunk_id)
+
+        setattr(stage, name, send_ops)
     if compiler.reducer is not None:
         # pipelining scales the gradients right after the stage's last backward (REDUCE_GRAD,
         # or the end of a single-stage step); with the DP reduction in flight then, the scaling
@@ -270,9 +292,11 @@ def _install(stage, compiler: _StageCompiler) -> None:
         stage.perform_reduce_grad = perform_reduce_grad
 
 
-def _wait_recv(schedule, stages, sub) -> None:
-    """Wait for what ``sub`` (a forward or backward action) receives, as the runtime does."""
-    from torch.distributed.pipelining.schedules import FORWARD, _wait_batch_p2p
+def _recv_works(schedule, stages, sub) -> list | None:
+    """The works of what ``sub`` (a forward or backward action) receives, taken from the
+    schedule as the runtime takes them (``None``: it receives nothing: first/last stage, or
+    the V-schedule's local hand-off); wait on them with :func:`_wait_works`."""
+    from torch.distributed.pipelining.schedules import FORWARD
 
     mb, idx = sub.microbatch_index, sub.stage_index
     stage = stages[idx]
@@ -280,11 +304,81 @@ def _wait_recv(schedule, stages, sub) -> None:
         if not stage.is_first and idx - 1 not in stages:
             if (idx, mb) not in schedule.fwd_recv_ops:
                 raise PipelineError(f"computing {sub} before receiving its input")
-            _wait_batch_p2p(schedule.fwd_recv_ops.pop((idx, mb)))
+            return schedule.fwd_recv_ops.pop((idx, mb))
     elif not stage.is_last and idx + 1 not in stages:
         if (idx, mb) not in schedule.bwd_recv_ops:
             raise PipelineError(f"computing {sub} before receiving its gradients")
-        _wait_batch_p2p(schedule.bwd_recv_ops.pop((idx, mb)))
+        return schedule.bwd_recv_ops.pop((idx, mb))
+    return None
+
+
+def _wait_works(works: list | None, what: str) -> None:
+    """Wait for a receive's works (``what``: ``"fwd_recv"`` / ``"bwd_recv"``, for tracing)."""
+    from torch.distributed.pipelining import schedules
+
+    if works is not None:
+        schedules._wait_batch_p2p(works)
+
+
+def _wait_recv(schedule, stages, sub) -> None:
+    """Wait for what ``sub`` (a forward or backward action) receives, as the runtime does."""
+    from torch.distributed.pipelining.schedules import FORWARD
+
+    _wait_works(_recv_works(schedule, stages, sub), "fwd_recv" if sub.computation_type == FORWARD else "bwd_recv")
+
+
+def _after_wait(works: list | None, gen):
+    """``gen`` (B's backward in turns), which waits for B's received gradients only when its
+    first chunk is about to run: after F's first chunk, whose all-to-all it then runs under."""
+    _wait_works(works, "bwd_recv")
+    yield from gen
+
+
+class _EarlySends:
+    """The sends of an ``OVERLAP_F_B`` step's results, issued as soon as each is produced:
+    F's output activation when F has returned (before the rest of B runs), B's input
+    gradients when B is done. The schedule lists them as the ``SEND_F`` / ``SEND_B`` actions
+    right after the step; only those are taken, in that order (a send waits for the ones
+    before it, which keeps the order in which the peer's receives match them), and only up
+    to the first action that is not one of them (a receive ``defer_pp_recv`` placed between
+    them must still be issued first, for its deadlock-free order). So this rank issues its
+    P2P ops in the schedule's order; only the compute after them moves. The ops are
+    pipelining's (``get_fwd_send_ops`` / ``get_bwd_send_ops``, ``_batch_p2p``); the works are
+    kept on the schedule and waited at the end of ``step``, as the runtime waits its own."""
+
+    def __init__(self, schedule, stages: dict, action, subs: list):
+        from torch.distributed.pipelining.schedules import FORWARD, SEND_B, SEND_F
+
+        self.schedule, self.stages = schedule, stages
+        self.pending: list = []  # (send action, the sub-action that produces what it sends)
+        self.produced: set = set()
+        order = (getattr(schedule, "pipeline_order_with_comms", None) or {}).get(schedule.rank) or []
+        # the runtime passes the action object of its list: find it by identity
+        pos = next((i for i, a in enumerate(order) if a is action), None)
+        if pos is None:
+            return
+        mine = {(s.stage_index, s.microbatch_index, s.computation_type == FORWARD): s for s in subs}
+        for a in order[pos + 1:]:
+            if a.computation_type not in (SEND_F, SEND_B):
+                break
+            sub = mine.get((a.stage_index, a.microbatch_index, a.computation_type == SEND_F))
+            if sub is None:
+                break
+            self.pending.append((a, sub))
+
+    def done(self, sub) -> None:
+        """``sub`` has produced what it sends: issue every send now ready, in the schedule's order."""
+        from torch.distributed.pipelining import schedules
+
+        self.produced.add(sub)
+        while self.pending and self.pending[0][1] in self.produced:
+            send, _ = self.pending.pop(0)
+            stage, mb = self.stages[send.stage_index], send.microbatch_index
+            fwd = send.computation_type == schedules.SEND_F
+            ops = stage.get_fwd_send_ops(mb) if fwd else stage.get_bwd_send_ops(mb)
+            self.schedule._fxoverlap_sends.append(
+                schedules._batch_p2p(ops, desc="fxoverlap_fwd_send" if fwd else "fxoverlap_bwd_send"))
+            stage._fxoverlap.sent.add((fwd, mb))
 
 
 def _forward(schedule, stages, sub, ctx) -> None:
@@ -450,23 +544,29 @@ def _overlap_f_b(schedule, action, ctx) -> None:
         if sub.computation_type not in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT):
             raise PipelineError(f"OVERLAP_F_B sub-action {sub} is neither a forward nor a backward")
     kinds = [s.computation_type == FORWARD for s in subs]
+    sends = _EarlySends(schedule, stages, action, subs)
     if len(subs) == 2 and sorted(kinds) == [False, True] and schedule.fxoverlap_merge:
         f, b = (subs[0], subs[1]) if kinds[0] else (subs[1], subs[0])
-        _wait_recv(schedule, stages, f)
-        _wait_recv(schedule, stages, b)
+        # each receive is waited right before its data is used, not both up front
+        f_recv, b_recv = _recv_works(schedule, stages, f), _recv_works(schedule, stages, b)
         merged = _merged_backward(schedule, stages, b)
         if merged is not None:
             gen, finish = merged
-            fxb.run_in_turns(gen, lambda: _forward(schedule, stages, f, ctx))
+            _wait_works(f_recv, "fwd_recv")  # F's first chunk runs first
+            # F's output is sent as soon as F has returned, before the rest of B runs
+            fxb.run_in_turns(_after_wait(b_recv, gen), lambda: _forward(schedule, stages, f, ctx),
+                             after_forward=lambda: sends.done(f))
             finish()
+            sends.done(b)
             schedule.fxoverlap_merged_steps += 1
             return
-        if subs[0] is f:
-            _forward(schedule, stages, f, ctx)
-            _backward(schedule, stages, b)
-        else:
-            _backward(schedule, stages, b)
-            _forward(schedule, stages, f, ctx)
+        for sub, works in ((f, f_recv), (b, b_recv)) if subs[0] is f else ((b, b_recv), (f, f_recv)):
+            _wait_works(works, "fwd_recv" if sub is f else "bwd_recv")
+            if sub is f:
+                _forward(schedule, stages, f, ctx)
+            else:
+                _backward(schedule, stages, b)
+            sends.done(sub)
         return
     for sub in subs:
         _wait_recv(schedule, stages, sub)
@@ -474,6 +574,7 @@ def _overlap_f_b(schedule, action, ctx) -> None:
             _forward(schedule, stages, sub, ctx)
         else:
             _backward(schedule, stages, sub)
+        sends.done(sub)
 
 
 @functools.cache
@@ -484,13 +585,19 @@ def _schedule_class(cls: type) -> type:
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
                            return_outputs=True, loss_kwargs=None):
         self._fxoverlap_step_args = {"return_outputs": return_outputs, "loss_kwargs": loss_kwargs}
+        self._fxoverlap_sends = []  # works of the sends OVERLAP_F_B steps issued (_EarlySends)
         for st in getattr(self, "_stages", None) or [self._stage]:  # multi- or single-stage schedules
             st._fxoverlap.backwards = 0
+            st._fxoverlap.sent.clear()
         try:
             out = cls._step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
                                          loss_kwargs=loss_kwargs)
         finally:
             self._fxoverlap_step_args = None
+        from torch.distributed.pipelining.schedules import _wait_batch_p2p
+
+        while self._fxoverlap_sends:  # as the runtime waits its own sends, at the end of the step
+            _wait_batch_p2p(self._fxoverlap_sends.pop())
         for st in getattr(self, "_stages", None) or [self._stage]:
             st._fxoverlap.finish_step()  # dp_group: the reductions issued after each stage's last backward
         return out

@@ -71,6 +71,41 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
                 assert calls[first_dispatch + 1][0] == "bwd", (where, calls)
 
 
+def _check_p2p_order(results: list[dict]) -> None:
+    """The P2P of each merged OVERLAP_F_B step (DualPipeV): F's output activation is sent as
+    soon as F has returned, before B's last stage runs; B's input gradients right after B's
+    last stage; F's received input waited before F's first stage, B's received gradients only
+    after F's first stage (not both up front); and every send of the step issued once
+    (pipelining's later SEND_F / SEND_B find nothing left), in the schedule's count."""
+    for r in results:
+        where = f"rank {r['rank']} stages {r['stages']}"
+        sr, last = r["stage_rank"], r["num_stages"] - 1
+        assert r["sends"]["total"] == r["sends"]["actions"] and r["sends"]["early"] > 0, (where, r["sends"])
+        merged = [st for st in r["overlap_events"] if st["merged"]]
+        assert merged, where
+        for st in merged:
+            f, b, ev = st["f"], st["b"], st["events"]
+            calls = [i for i, e in enumerate(ev) if e[0] in ("fwd", "bwd")]
+            fwd = [i for i in calls if ev[i][0] == "fwd"]
+            bwd = [i for i in calls if ev[i][0] == "bwd"]
+            f_sends = f != last and sr[f + 1] != sr[f]
+            b_sends = b != 0 and sr[b - 1] != sr[b]
+            f_recvs = f != 0 and sr[f - 1] != sr[f]
+            b_recvs = b != last and sr[b + 1] != sr[b]
+            what = (where, f, b, ev)
+            assert ev.count(("send", "fxoverlap_fwd_send")) == f_sends, what
+            assert ev.count(("send", "fxoverlap_bwd_send")) == b_sends, what
+            assert not any(e == ("send", "pipelining") for e in ev), what  # nothing sent twice
+            if f_sends:  # F's activation goes out while B still has stages to run
+                assert fwd[-1] < ev.index(("send", "fxoverlap_fwd_send")) < bwd[-1], what
+            if b_sends:
+                assert bwd[-1] < ev.index(("send", "fxoverlap_bwd_send")), what
+            if f_recvs:
+                assert ev.index(("wait", "fwd_recv")) < fwd[0], what
+            if b_recvs:  # B's gradients waited after F's first stage, right before B's first
+                assert fwd[0] < ev.index(("wait", "bwd_recv")) < bwd[0], what
+
+
 @pytest.mark.parametrize("schedule,kind", [
     ("Schedule1F1B", "ref"),
     ("ScheduleDualPipeV", "ref"),
@@ -94,6 +129,32 @@ def test_pp2_ep1(schedule, kind):
 def test_pp2_ep2(schedule):
     results = run_distributed(pp_cases.run_case, schedule, "ref", 2, world_size=4)
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
+    if schedule == "ScheduleDualPipeV":
+        _check_p2p_order(results)
+
+
+def test_pp2_ep1_dualpipe_p2p_order():
+    """DualPipeV, PP 2 x EP 1 (the same spawn as test_pp2_ep1's): in each merged OVERLAP_F_B
+    step F's activation send is issued before B's last stage runs, B's gradient send when B
+    ends, each receive waited right before its data is used (_check_p2p_order)."""
+    results = run_distributed_once(pp_cases.run_case, "ScheduleDualPipeV", "ref", 1, {}, world_size=2)
+    _check(results, "ScheduleDualPipeV", 2, overlap=True)
+    _check_p2p_order(results)
+
+
+def test_pp2_ep1_dualpipe_defer_pp_recv_keeps_p2p_order():
+    """DualPipeV with defer_pp_recv=True: on the lower PP rank pipelining flushes the deferred
+    receives from the peer right before each send to it (its deadlock-free order), so a RECV
+    sits between an OVERLAP_F_B step and its SEND actions; that rank's steps send nothing early
+    (pipelining's SEND actions send), the higher rank's still do. Bitwise, nothing sent twice."""
+    results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", "ref", 1,
+                              {"schedule_kwargs": {"defer_pp_recv": True}}, world_size=2)
+    _check(results, "ScheduleDualPipeV", 2, overlap=True)
+    by_rank = {r["rank"]: r for r in results}
+    for r in results:
+        assert r["sends"]["total"] == r["sends"]["actions"], r["sends"]
+    assert by_rank[0]["sends"]["early"] == 0, by_rank[0]["sends"]
+    assert by_rank[1]["sends"]["early"] > 0, by_rank[1]["sends"]
 
 
 @pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])

@@ -208,7 +208,8 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dict | None = None) -> dict:
     """``opts``: ``n_mb`` (4), ``stage_cls`` ("RefStage"), ``loss_weight`` (1.0: passed to
-    ``step`` as ``loss_kwargs``), ``config`` (OverlapConfig fields; ``compiler="eager"``)."""
+    ``step`` as ``loss_kwargs``), ``config`` (OverlapConfig fields; ``compiler="eager"``),
+    ``schedule_kwargs`` (to the schedule class)."""
     import torch.distributed.pipelining as pipelining
 
     opts = opts or {}
@@ -273,7 +274,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     arg = stages[0] if schedule in ("Schedule1F1B", "ScheduleGPipe") else stages
     sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=lossf, ep_group=ep_group,
                                         config=fxoverlap.OverlapConfig(**config), merge=opts.get("merge", True),
-                                        scale_grads=scale_grads)
+                                        scale_grads=scale_grads, **opts.get("schedule_kwargs", {}))
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
     losses: list = []
@@ -281,28 +282,75 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     kwargs = dict(target=y, losses=losses, loss_kwargs=lkw or None) if has_last else {}
     # the stage calls of each merged OVERLAP_F_B step, in the order they ran
     import fxoverlap.backend as fxb
+    import fxoverlap.pipeline_parallel as fxpp
+    import torch.distributed.pipelining.schedules as pl_schedules
     from fxoverlap.runtime import ProgramRunner
 
     merged_calls: list[list[tuple[str, str]]] = []
     orig_turns, orig_call = fxb.run_in_turns, ProgramRunner.call_stage
+    orig_batch, orig_wait = pl_schedules._batch_p2p, fxpp._wait_works
+    # each OVERLAP_F_B step: its F and B stage indices, whether it merged, and its events in
+    # order: stage calls (direction, kind), sends issued ("send", desc: "fxoverlap_fwd_send" /
+    # "fxoverlap_bwd_send" for the step's early sends), receive waits ("wait", what)
+    overlap_steps: list[dict] = []
+    current: list = [None]
+    sends = {"total": 0, "early": 0}  # non-empty send batches of the whole step (pipelining's and ours)
 
-    def turns(other, forward):
+    def turns(other, forward, after_forward=None):
         merged_calls.append([])
         try:
-            return orig_turns(other, forward)
+            return orig_turns(other, forward, after_forward)
         finally:
             merged_calls.append(None)
 
     def call_stage(self, node, stage, mb, cross):
         if merged_calls and merged_calls[-1] is not None:
             merged_calls[-1].append((str(stage.direction), str(stage.kind)))
+        if current[0] is not None:
+            current[0].append((str(stage.direction), str(stage.kind)))
         return orig_call(self, node, stage, mb, cross)
 
+    def batch_p2p(ops, desc=None):
+        if ops and all(op.op is dist.isend for op in ops):
+            sends["total"] += 1
+            sends["early"] += bool(desc and desc.startswith("fxoverlap"))
+            if current[0] is not None:
+                current[0].append(("send", desc or "pipelining"))
+        return orig_batch(ops, desc=desc)
+
+    def wait_works(works, what):
+        if works is not None and current[0] is not None:
+            current[0].append(("wait", what))
+        return orig_wait(works, what)
+
+    fmap = getattr(sched, "_comp_type_to_function_map", {})
+    if pl_schedules.OVERLAP_F_B in fmap:
+        orig_overlap = fmap[pl_schedules.OVERLAP_F_B]
+
+        def overlap(action, ctx):
+            f, b = sorted(action.sub_actions, key=lambda a: a.computation_type != pl_schedules.FORWARD)
+            before = sched.fxoverlap_merged_steps
+            current[0] = []
+            overlap_steps.append({"f": f.stage_index, "b": b.stage_index, "events": current[0]})
+            try:
+                orig_overlap(action, ctx)
+            finally:
+                current[0] = None
+                overlap_steps[-1]["merged"] = sched.fxoverlap_merged_steps > before
+
+        fmap[pl_schedules.OVERLAP_F_B] = overlap
     fxb.run_in_turns, ProgramRunner.call_stage = turns, call_stage
+    pl_schedules._batch_p2p, fxpp._wait_works = batch_p2p, wait_works
     try:
         sched.step(*args, **kwargs)
     finally:
         fxb.run_in_turns, ProgramRunner.call_stage = orig_turns, orig_call
+        pl_schedules._batch_p2p, fxpp._wait_works = orig_batch, orig_wait
+        if pl_schedules.OVERLAP_F_B in fmap:
+            fmap[pl_schedules.OVERLAP_F_B] = orig_overlap
+    order = getattr(sched, "pipeline_order_with_comms", None)
+    send_actions = None if order is None else sum(
+        a.computation_type in (pl_schedules.SEND_F, pl_schedules.SEND_B) for a in order[sched.rank])
 
     out: dict = {"rank": rank, "stages": mine, "schedule_type": type(sched).__name__,
                  "is_subclass": isinstance(sched, cls)}
@@ -335,6 +383,10 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     out["overlap_steps"] = getattr(sched, "fxoverlap_overlap_steps", None)
     out["merged_steps"] = getattr(sched, "fxoverlap_merged_steps", None)
     out["merged_calls"] = [c for c in merged_calls if c is not None]
+    out["overlap_events"] = overlap_steps
+    out["sends"] = dict(sends, actions=send_actions)
+    out["stage_rank"] = None if order is None else dict(sched.stage_index_to_group_rank)
+    out["num_stages"] = n_stages
     out["hook_calls"] = len(hook_calls)
     out["graphs"] = {st.stage_index: len(st._fxoverlap.steps) for st in stages}
     out["fxoverlap_stages"] = {i: [(str(s.kind), str(s.direction), s.layer) for s in v]
