@@ -49,6 +49,11 @@ all-to-all. Per MoE layer l:
 A wgrad part with no comm stage after it (layer 0's attn, dense layers under the
 lowest MoE layer) runs right after its parent: waiting would only hold memory.
 
+Chunks (``chunk``: a layer's exchange -> experts -> exchange cut into K chunks): in the plain
+orders the chain is issued ``first(0), experts(0), first(1), last(0), experts(1), ...,
+last(K-1)``, so each exchange but the first and the last runs under a chunk's experts; in the
+merged steps each slot runs a kind's chunks back to back.
+
 Random ops draw in eager's order: every draw of microbatch ``i`` comes after the
 draws eager makes before it (its own earlier ones, and all of microbatch ``i - 1``'s),
 checked on the emitted program (``rng`` numbered them and made the stages keep
