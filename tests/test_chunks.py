@@ -3,7 +3,7 @@
 Each MoE layer's dispatch -> experts -> combine is cut into K chunks along its local
 experts. Against eager PyTorch on the same weights and data (2 gloo ranks unless said):
 
-- ``optimize``, 1-3 microbatches, K = 2, 3 and 4, with delayed weight-grads, user
+- ``optimize``, 1-3 microbatches, K = 2 and 4, with delayed weight-grads, user
   activation checkpointing and capacity routing: losses bitwise,
   gradients within 1e-5 of the largest (the issue's bound; measured ~1e-11, from the
   grouped GEMM's row blocking), and the stages of each chunk in ``engine.stages``;
@@ -31,8 +31,7 @@ import chunk_cases
 
 OPTIMIZE = [
     dict(config=dict(chunks=2), ns=[1, 3]),
-    dict(config=dict(chunks=4), ns=[2]),
-    dict(config=dict(chunks=3, delay_wgrad=True), ns=[2]),
+    dict(config=dict(chunks=4, delay_wgrad=True), ns=[2]),
     dict(cfg=dict(activation_checkpoint=True), config=dict(chunks=2), ns=[2]),
     dict(cfg=dict(routing="capacity"), config=dict(chunks=2), ns=[2]),
 ]
@@ -76,14 +75,16 @@ def test_issue_order_of_the_plain_steps():
 
 
 def test_backend_matches_eager():
-    for r in run_distributed(chunk_cases.backend_vs_eager, {"chunks": 2}):
+    for r in run_distributed_once(chunk_cases.one_microbatch_modes, 2):
+        r = r["backend"]
         assert r["fallbacks"] == []
         _close(r)
         assert {s[0] for s in r["stages"]} >= {"fwd_l0_experts_c0", "fwd_l0_experts_c1", "bwd_l1_dispatch_c1"}
 
 
 def test_forward_only():
-    for r in run_distributed(chunk_cases.forward_only, 2):
+    for r in run_distributed_once(chunk_cases.one_microbatch_modes, 2):
+        r = r["forward_only"]
         assert r["engine_rel"] <= 1e-6 and r["backend_rel"] <= 1e-6, r
         for key in ("engine_stages", "backend_stages"):
             names = {s[0] for s in r[key]}
@@ -109,7 +110,8 @@ def test_torchtitan_all_to_alls_stay_whole():
 
 
 def test_random_experts_stay_whole():
-    for r in run_distributed(chunk_cases.random_experts):
+    for r in run_distributed_once(chunk_cases.one_microbatch_modes, 2):
+        r = r["random_experts"]
         assert r["losses_equal"] and r["grads_bitwise"] and r["generator_equal"], r
         assert r["log"] and "its experts draw random numbers" in r["log"][0], r["log"]
         assert not any(s[4] is not None for s in r["stages"])

@@ -157,7 +157,9 @@ def test_pp2_ep1_dualpipe_defer_pp_recv_keeps_p2p_order():
     assert by_rank[1]["sends"]["early"] > 0, by_rank[1]["sends"]
 
 
-@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+# DualPipeV: its merged OVERLAP_F_B steps and its plain F/B both run; Schedule1F1B with torchtitan's
+# model is tested at EP 1 (test_pp2_ep1), and at EP 2 it passed too (kept out of CI for its time)
+@pytest.mark.parametrize("schedule", ["ScheduleDualPipeV"])
 def test_pp2_ep2_torchtitan_expert_parallel(schedule):
     """torchtitan 0.3.0's Qwen3-MoE with torchtitan's own EP: split by torchtitan's _split_module,
     each stage module then parallelized by torchtitan (ParallelDims(pp=2, ep=2): DTensor expert

@@ -135,6 +135,12 @@ def random_experts(rank: int, world: int) -> dict:
                 generator_equal=generator_equal, **_compare(losses, ref_losses, model, ref))
 
 
+def one_microbatch_modes(rank: int, world: int, chunks: int) -> dict:
+    """One spawn for the backend, forward-only calls and the model whose experts draw."""
+    return dict(backend=backend_vs_eager(rank, world, {"chunks": chunks}), forward_only=forward_only(rank, world, chunks),
+                random_experts=random_experts(rank, world))
+
+
 def hf_family(rank: int, world: int, family: str, chunks: int) -> dict:
     """A Hugging Face family after ``expert_parallel``: optimize and the backend with chunks
     against the same sharded model run eagerly."""
