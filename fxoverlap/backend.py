@@ -494,18 +494,48 @@ def merge_segments(segments: list[tuple[tuple[int, int], tuple[int, ...]]], nbyt
     return out
 
 
-class CompiledStep:
+class _CompiledProgram:
+    """What :class:`CompiledStep` and :class:`CompiledForward` share: the program, its CUDA
+    graphs, where each placeholder comes from (a graph input index, a buffer), introspection."""
+
+    def __init__(self, gm: torch.fx.GraphModule, capture_: Capture, stages: list[Stage],
+                 program: torch.fx.GraphModule, wrapper: _GraphStep, config: OverlapConfig, device: torch.device):
+        self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
+        self._graphs = GraphCache(config.cuda_graphs)
+        self._index_of = {f"in{i}": i for i in wrapper.diff_index}
+        self._static_src = [(ph, self._index_of[fqn]) for ph, fqn in capture_.param_placeholders.items()]
+        self._buffers = {ph: wrapper.get_buffer(fqn) for ph, fqn in capture_.buffer_placeholders.items()}
+        self._input_src = list(wrapper.plain_index)
+
+    def _static(self, args) -> dict:
+        """The static placeholders' values for one call (its parameters and the buffers)."""
+        static = dict(self._buffers)
+        static.update((ph, args[i]) for ph, i in self._static_src)
+        return static
+
+    def stage_table(self) -> str:
+        from fxoverlap.engine import format_stage_table
+
+        return format_stage_table(self.stages)
+
+    def close(self) -> None:
+        """Release this program's CUDA graphs; later calls run without them."""
+        self._graphs.close()
+        self._graphs.enabled = False
+        self.runner.cuda_graphs = None
+
+
+class CompiledStep(_CompiledProgram):
     """What the backend returns for a graph: the forward part of its program in an
     autograd.Function whose backward runs the backward part, both on the engine's
     runtime. ``.stages``, ``.program`` and ``.stage_table()`` for introspection."""
 
     def __init__(self, gm: torch.fx.GraphModule, capture_: Capture, stages: list[Stage],
                  program: torch.fx.GraphModule, wrapper: _GraphStep, config: OverlapConfig, device: torch.device):
-        self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
+        super().__init__(gm, capture_, stages, program, wrapper, config, device)
         # keep each call's graph inputs until its backward (backward_in_turns needs them; pipeline
         # parallelism sets it, where the stage's inputs are held until its backward anyway)
         self.keep_args = False
-        self._graphs = GraphCache(config.cuda_graphs)
         graphs = self._graphs.get(program, stages, capture_, device)
         make = functools.partial(make_runner, program, stages, capture_, device, config, grads=None)
         self.runner = make(cuda_graphs=graphs)
@@ -517,11 +547,7 @@ class CompiledStep:
         self._awaiting_backward: weakref.ref | None = None
         if graphs is not None:
             _graphed_steps.add(self)
-        # where each placeholder of the joint graph comes from: a graph input index
-        index_of = {f"in{i}": i for i in wrapper.diff_index}
-        self._static_src = [(ph, index_of[fqn]) for ph, fqn in capture_.param_placeholders.items()]
-        self._buffers = {ph: wrapper.get_buffer(fqn) for ph, fqn in capture_.buffer_placeholders.items()}
-        self._input_src = list(wrapper.plain_index)
+        index_of = self._index_of
         self._grad_of = {index_of[fqn]: v for v, fqn in capture_.grads.items() if fqn in index_of}
         # the backward in segments, each ending where gradients are handed out: autograd
         # then accumulates each gradient as soon as it is final (as eager's backward does),
@@ -534,11 +560,6 @@ class CompiledStep:
         seeded = set(capture_.tangents.values())
         self._differentiable = [o in seeded for o in capture_.outputs]
         self._tangent_pos = [capture_.outputs.index(o) for o in capture_.tangents.values()]
-
-    def stage_table(self) -> str:
-        from fxoverlap.engine import format_stage_table
-
-        return format_stage_table(self.stages)
 
     def __call__(self, *args):
         if not torch.is_grad_enabled():
@@ -558,15 +579,8 @@ class CompiledStep:
         # their AccumulateGrad nodes, in priority order
         return next((args[i].device for i in self._grad_of), torch.device("cpu"))
 
-    def close(self) -> None:
-        """Release this step's CUDA graphs; later calls run without them."""
-        self._graphs.close()
-        self._graphs.enabled = False
-        self.runner.cuda_graphs = None
-
     def _run_forward(self, run: _Run, args) -> tuple:
-        static = dict(self._buffers)
-        static.update((ph, args[i]) for ph, i in self._static_src)
+        static = self._static(args)
         runner = self.runner
         pending = self._awaiting_backward() if self._awaiting_backward is not None else None
         if runner.cuda_graphs is not None and pending is not None:
@@ -633,7 +647,7 @@ class CompiledStep:
         return {i: handed.pop(self._grad_of[i], None) for i in inputs}
 
 
-class CompiledForward:
+class CompiledForward(_CompiledProgram):
     """What the backend returns for a graph Dynamo traced under ``torch.no_grad()`` (inference,
     ``model.eval()`` or not): the forward-only program (chunks, compiled stages, the comm
     stream), no autograd. ``.stages``, ``.program`` and ``.stage_table()`` as for
@@ -641,32 +655,14 @@ class CompiledForward:
 
     def __init__(self, gm: torch.fx.GraphModule, capture_: Capture, stages: list[Stage],
                  program: torch.fx.GraphModule, wrapper: _GraphStep, config: OverlapConfig, device: torch.device):
-        self.gm, self.capture, self.stages, self.program = gm, capture_, stages, program
-        self._graphs = GraphCache(config.cuda_graphs)
+        super().__init__(gm, capture_, stages, program, wrapper, config, device)
         self.runner = make_runner(program, stages, capture_, device, config, grads=None,
                                   cuda_graphs=self._graphs.get(program, stages, capture_, device))
         if self.runner.cuda_graphs is not None:
             _graphed_steps.add(self)
-        index_of = {f"in{i}": i for i in wrapper.diff_index}
-        self._static_src = [(ph, index_of[fqn]) for ph, fqn in capture_.param_placeholders.items()]
-        self._buffers = {ph: wrapper.get_buffer(fqn) for ph, fqn in capture_.buffer_placeholders.items()}
-        self._input_src = list(wrapper.plain_index)
-
-    def stage_table(self) -> str:
-        from fxoverlap.engine import format_stage_table
-
-        return format_stage_table(self.stages)
-
-    def close(self) -> None:
-        """Release this program's CUDA graphs; later calls run without them."""
-        self._graphs.close()
-        self._graphs.enabled = False
-        self.runner.cuda_graphs = None
 
     def __call__(self, *args):
-        static = dict(self._buffers)
-        static.update((ph, args[i]) for ph, i in self._static_src)
-        state = self.runner.run(static, [[args[i] for i in self._input_src]])
+        state = self.runner.run(self._static(args), [[args[i] for i in self._input_src]])
         outs = state.outputs[0]
         return tuple(outs.pop(o) for o in self.capture.outputs)
 
