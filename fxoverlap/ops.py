@@ -165,9 +165,7 @@ def _combine_chunk(
     y: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor, group_name: str, chunk: int, chunks: int
 ) -> torch.Tensor:
     """``combine`` of one chunk: the chunk's rows back, in the order ``dispatch_chunk`` took them."""
-    group = a2a.resolve_group(group_name)
-    counts_c = a2a.chunk_counts(send_counts, a2a.world_size(group), chunk, chunks)
-    out = a2a.combine_tokens(y, recv_counts, counts_c, group)
+    out = a2a.combine_chunk(y, recv_counts, send_counts, a2a.resolve_group(group_name), chunk, chunks)
     emulated_link.hold_rows("combine", out.shape[0], out)
     return out
 

@@ -14,7 +14,6 @@ group at all.
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -212,7 +211,6 @@ def dispatch_chunk(
     its ``recv_counts``); with ``recv_counts`` given (the backward's exchange of the same
     chunk), the rows and split sizes are the ones remembered for it."""
     ep = world_size(group)
-    counts_c = chunk_counts(send_counts, ep, chunk, chunks)
     runs = _recall(recv_counts, _chunk_ranges) if recv_counts is not None else None
     if runs is not None:
         recv_counts = recv_counts.clone()  # an op's output may not be its input (the backward ignores it)
@@ -233,46 +231,31 @@ def dispatch_chunk(
     x_c = _take_rows(x, runs)
     if ep == 1:  # nothing travels: the chunk's rows are already grouped by (local) expert
         return x_c, recv_counts, x_c.shape[0]
-    y, _ = dispatch_tokens(x_c, counts_c, group, recv_counts)
+    y, _ = dispatch_tokens(x_c, chunk_counts(send_counts, ep, chunk, chunks), group, recv_counts)
     return y, recv_counts, x_c.shape[0]
 
 
-@functools.lru_cache(maxsize=None)
-def _merge_tables(experts: int, ep: int, chunks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per expert its (chunk, destination rank) block, and each block's first expert: static."""
-    el = experts // ep
-    bounds = [chunk_bounds(el, c, chunks) for c in range(chunks)]
-    block = [0] * experts
-    for c, (lo, hi) in enumerate(bounds):
-        for r in range(ep):
-            for e in range(r * el + lo, r * el + hi):
-                block[e] = c * ep + r
-    first = [r * el + bounds[c][0] for c in range(chunks) for r in range(ep)]
-    return torch.tensor(block, device=device), torch.tensor(first, device=device)
+def combine_chunk(y: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor,
+                  group: dist.ProcessGroup | None, chunk: int, chunks: int) -> torch.Tensor:
+    """:func:`combine_tokens` of one chunk: its rows back, in the order :func:`dispatch_chunk`
+    took them (the split sizes are the ones it remembered for ``recv_counts``)."""
+    ep = world_size(group)
+    if ep == 1:
+        return y.clone()
+    return combine_tokens(y, recv_counts, chunk_counts(send_counts, ep, chunk, chunks), group)
 
 
 def merge_chunks(parts: list[torch.Tensor], send_counts: torch.Tensor, ep: int, out_rows: int,
                  first: torch.Tensor | None = None) -> torch.Tensor:
     """The chunks' rows (each in its own send order, as :func:`dispatch_chunk` took them) back in
-    the sender's order, ``[out_rows, D]``, each row copied once: by slices where the exchange's
-    host counts are known (``first``: the first chunk's receive counts), else by a gather
-    computed on the device (no host read)."""
+    the sender's order, ``[out_rows, D]``, each row copied once, by slices. The host counts are
+    the exchange's (``first``: the first chunk's receive counts), read again only without them."""
     plan = _recall(first, _chunk_plans) if first is not None else None
-    if plan is not None:
-        out = parts[0].new_empty(out_rows, parts[0].shape[1])
-        for c, part in enumerate(parts):
-            at = 0
-            for a, b in _chunk_rows(plan[0], ep, c, len(parts)):
-                out[a:b].copy_(part[at:at + b - a])
-                at += b - a
-        return out
-    chunks, e = len(parts), send_counts.numel()
-    dev = send_counts.device
-    block, first = _merge_tables(e, ep, chunks, dev)
-    per_block = torch.zeros(chunks * ep, dtype=send_counts.dtype, device=dev).index_add_(0, block, send_counts)
-    block_start = torch.cumsum(per_block, 0) - per_block  # where each block begins in the parts' concatenation
-    expert_start = torch.cumsum(send_counts, 0) - send_counts  # where each expert begins in the sender's order
-    offset = block_start[block] - expert_start[first[block]]  # sender row -> concatenation row, per expert
-    row_expert = torch.repeat_interleave(torch.arange(e, device=dev), send_counts, output_size=out_rows)
-    src = torch.arange(out_rows, device=dev) + offset[row_expert]
-    return torch.cat(parts).index_select(0, src)
+    host_send = plan[0] if plan is not None else send_counts.tolist()
+    out = parts[0].new_empty(out_rows, parts[0].shape[1])
+    for c, part in enumerate(parts):
+        at = 0
+        for a, b in _chunk_rows(host_send, ep, c, len(parts)):
+            out[a:b].copy_(part[at:at + b - a])
+            at += b - a
+    return out

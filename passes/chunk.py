@@ -28,7 +28,7 @@ zeroed), experts (a clone of the layer's experts subgraph: the grouped GEMM give
 local experts zero rows), combine (``fxoverlap::combine_chunk``); in the backward the same
 ops on the gradients and a clone of the backward experts. The combine's output and the
 gradient of the dispatch's input are the same rows in the same order as before
-(``fxoverlap::merge_chunks``, a gather, in the last chunk's comm stage), and each gradient
+(``fxoverlap::merge_chunks``, a copy by slices, in the last chunk's comm stage), and each gradient
 the experts hand out is the sum of the chunks' (same value names, so the capture's roles
 hold). Nodes outside the chains are not touched. A layer it cannot cut stays as it was;
 :attr:`Chunking.skipped` says why, per layer. Every new node gets its fake value.

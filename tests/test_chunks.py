@@ -145,8 +145,9 @@ def test_config_refuses_bad_chunks(bad):
 
 @pytest.mark.parametrize("ep,experts,chunks", [(1, 4, 2), (2, 8, 2), (2, 8, 3), (4, 8, 2)])
 def test_chunk_rows_go_back_in_place(ep, experts, chunks):
-    """Every sender row is in exactly one chunk, and ``merge_chunks`` puts the chunks' rows
-    back in the sender's order (with experts of no rows, too)."""
+    """Every sender row is in exactly one chunk, and ``merge_chunks`` (here without the first
+    chunk's counts: it reads them) puts the chunks' rows back in the sender's order (with
+    experts of no rows, too)."""
     torch.manual_seed(ep * 100 + experts + chunks)
     counts = torch.randint(0, 4, (experts,))
     counts[1] = 0
@@ -162,8 +163,8 @@ def test_chunk_rows_go_back_in_place(ep, experts, chunks):
 
 
 def test_one_rank_chunks_share_one_host_read_and_merge_by_slices():
-    """On one rank (group None): the first chunk's host counts serve the others (``first``) and
-    the merge copies each row once, by slices; the rows come back in place."""
+    """On one rank (group None): the first chunk's host counts serve the others and the merge
+    (``first``); the rows come back in place."""
     torch.manual_seed(0)
     counts = torch.tensor([3, 0, 2, 4, 1, 0, 5, 2])
     x = torch.randn(int(counts.sum()), 4)
@@ -175,7 +176,7 @@ def test_one_rank_chunks_share_one_host_read_and_merge_by_slices():
         parts.append(y)
     assert a2a._recall(first, a2a._chunk_plans) is not None
     assert torch.equal(a2a.merge_chunks(parts, counts, 1, x.shape[0], first), x)
-    assert torch.equal(a2a.merge_chunks(parts, counts, 1, x.shape[0]), x)  # the device path agrees
+    assert torch.equal(a2a.merge_chunks(parts, counts, 1, x.shape[0]), x)  # reading the counts again agrees
 
 
 def test_emulated_link_sees_the_same_bytes_in_more_calls():
