@@ -409,8 +409,10 @@ class MoEStage(nn.Module):
                 h = expand_streams(h, self.cfg.mhc_rate)
         for layer in self.layers.values():
             h = layer(h)
-        if self.last:
-            if self.cfg.mhc_rate is not None:
-                h = contract_streams(h, self.hc_contract)
-            h = self.output(self.norm(h))
-        return h
+        return self.head(h) if self.last else h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's final norm and output projection."""
+        if self.cfg.mhc_rate is not None:
+            h = contract_streams(h, self.hc_contract)
+        return self.output(self.norm(h))

@@ -36,15 +36,9 @@ RefStage = MoEStage  # the reference model's stage module (fxoverlap.models.moe)
 class BreakStage(RefStage):
     """RefStage with a Dynamo graph break before the head: the last stage runs as two graphs."""
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            h = self.tok_embeddings(h)
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.last:
-            torch._dynamo.graph_break()
-            h = self.output(self.norm(h))
-        return h
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().head(h)
 
 
 class DTensorHeadStage(RefStage):
@@ -59,14 +53,8 @@ class DTensorHeadStage(RefStage):
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         self.head_w = nn.Parameter(distribute_tensor(self.output.weight.detach().clone(), mesh, [Replicate()]))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            h = self.tok_embeddings(h)
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.last:
-            h = F.linear(self.norm(h), self.head_w.full_tensor())
-        return h
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(h), self.head_w.full_tensor())
 
 
 class NoListStage(nn.Module):
