@@ -115,13 +115,18 @@ def forward_only(rank: int, world: int, chunks: int) -> dict:
                 engine_stages=engine_stages, backend_stages=_stages(fxoverlap.backend.last_stages()))
 
 
-def random_experts(rank: int, world: int) -> dict:
-    """A model whose experts draw (dropout): the layers stay whole, the draws stay eager's."""
+def random_experts(rank: int, world: int, experts_draw: bool = True) -> dict:
+    """A model that draws in the embedding, attention, the shared expert and the router, and
+    (``experts_draw``) in its experts: then the layers stay whole; otherwise they are cut.
+    Either way the draws stay eager's."""
     from rng_cases import CFG as RCFG, SEED
     from rng_models import RandomTransformer
 
     torch.manual_seed(0)
     model = RandomTransformer(MoEConfig.tiny(**RCFG), dist.group.WORLD)
+    if not experts_draw:
+        for layer in model.layers:
+            layer.moe.experts.p = 0.0  # a dropout with p = 0 draws nothing
     with chunk_log_lines() as lines:
         engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(compiler="eager", chunks=2))
         mbs = make_batches(rank, RCFG["vocab_size"], 2)
@@ -138,7 +143,8 @@ def random_experts(rank: int, world: int) -> dict:
 def one_microbatch_modes(rank: int, world: int, chunks: int) -> dict:
     """One spawn for the backend, forward-only calls and the model whose experts draw."""
     return dict(backend=backend_vs_eager(rank, world, {"chunks": chunks}), forward_only=forward_only(rank, world, chunks),
-                random_experts=random_experts(rank, world))
+                random_experts=random_experts(rank, world),
+                random_elsewhere=random_experts(rank, world, experts_draw=False))
 
 
 def hf_family(rank: int, world: int, family: str, chunks: int) -> dict:
