@@ -402,13 +402,15 @@ class _Run:
     """One call of a :class:`CompiledStep`: its runner and state, and which backward
     segment runs next (autograd runs them in order, each from its own node). ``args``:
     the call's graph inputs, for a backward run outside autograd
-    (:meth:`CompiledStep.backward_in_turns`)."""
+    (:meth:`CompiledStep.backward_in_turns`). ``defer_weights``: its backward leaves the
+    weight-gradient part for :meth:`CompiledStep.weight_grads` (a ZeroBubble schedule's W)."""
 
-    __slots__ = ("step", "runner", "state", "next_segment", "args", "grads", "__weakref__")
+    __slots__ = ("step", "runner", "state", "next_segment", "args", "grads", "defer_weights", "__weakref__")
 
     def __init__(self, step: CompiledStep):
         self.step, self.runner, self.state, self.next_segment, self.args = step, None, None, 0, ()
         self.grads: dict[int, torch.Tensor] = {}
+        self.defer_weights = False
 
     def backward_segment(self, k: int, grad_outputs) -> dict[int, torch.Tensor]:
         """Run backward segment ``k``; the gradients it hands out, by graph input index."""
@@ -419,7 +421,7 @@ class _Run:
             )
         self.next_segment = k + 1
         grads = self.step._run_backward(self, k, grad_outputs)
-        if self.next_segment == len(self.step._segments):
+        if self.next_segment == len(self.step._segments) and not self.defer_weights:
             self.state.stores.clear()
             self.state = None
             self.args = ()
@@ -620,17 +622,42 @@ class CompiledStep(_CompiledProgram):
         if run.state is None or run.next_segment != 0:
             raise BackendError("fxoverlap backend: backward through a compiled step ran twice")
         runner, state = run.runner, run.state
-        if self._awaiting_backward is not None and self._awaiting_backward() is state:
+        # a graphed call's memory is in use until its last part has run
+        if not run.defer_weights and self._awaiting_backward is not None and self._awaiting_backward() is state:
             self._awaiting_backward = None
         run.next_segment = len(self._segments)
         runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
-        for span in runner.turns("backward"):
+        for span in runner.turns("input_grads" if run.defer_weights else "backward"):
             runner.execute(state, span)
             yield
         handed = state.outputs[0]
         run.grads = {i: handed.pop(v) for i, v in self._grad_of.items() if v in handed}
+        if not run.defer_weights:
+            state.stores.clear()
+            run.state, run.args = None, ()
+
+    def weight_grads(self, run: _Run) -> dict[int, torch.Tensor]:
+        """The weight-gradient part of call ``run``'s backward, left by a backward with
+        ``run.defer_weights`` (a ZeroBubble schedule's ``BACKWARD_WEIGHT``): runs it and
+        returns the gradients it hands out, by graph input index (the caller accumulates
+        them, as autograd's AccumulateGrad would). Frees the call's saved values."""
+        if run.state is None or not run.defer_weights or run.next_segment != len(self._segments):
+            raise BackendError("fxoverlap backend: weight gradients of a call whose input-gradient backward has not "
+                               "run with defer_weights, or that already ran")
+        runner, state = run.runner, run.state
+        if self._awaiting_backward is not None and self._awaiting_backward() is state:
+            self._awaiting_backward = None
+        runner.execute(state, "weight_grads")
+        handed = state.outputs[0]
+        grads = {i: handed.pop(v) for i, v in self._grad_of.items() if v in handed}
         state.stores.clear()
         run.state, run.args = None, ()
+        return grads
+
+    @property
+    def splits_weight_grads(self) -> bool:
+        """Whether the program's backward has a weight-gradient part to defer (``weight_last``)."""
+        return self.runner.has_weight_part()
 
     def draws_random_numbers(self) -> bool:
         return any(s.draws for s in self.stages)
@@ -638,11 +665,15 @@ class CompiledStep(_CompiledProgram):
     def _run_backward(self, run: _Run, k: int, grad_outputs) -> dict[int, torch.Tensor]:
         runner, state = run.runner, run.state
         if k == 0:
-            if self._awaiting_backward is not None and self._awaiting_backward() is state:
+            if (not run.defer_weights and self._awaiting_backward is not None
+                    and self._awaiting_backward() is state):
                 self._awaiting_backward = None
             runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
-        span, inputs = self._segments[k]
-        runner.execute(state, span)
+        (lo, hi), inputs = self._segments[k]
+        if run.defer_weights:  # the weight-gradient part runs later (weight_grads)
+            hi = min(hi, runner.weight_start)
+        if lo < hi:
+            runner.execute(state, (lo, hi))
         handed = state.outputs[0]
         return {i: handed.pop(self._grad_of[i], None) for i in inputs}
 
@@ -845,10 +876,15 @@ def backend_config(options: dict | None = None, mode: str | None = None, **kwarg
 
 
 def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig | None = None,
-                 train: bool = True) -> CompiledStep | CompiledForward:
+                 train: bool = True, weight_last: bool = False) -> CompiledStep | CompiledForward:
     """Build the :class:`CompiledStep` for a Dynamo graph (``train=False``: the
-    :class:`CompiledForward` of a graph Dynamo traced under ``no_grad``); raises when it cannot."""
+    :class:`CompiledForward` of a graph Dynamo traced under ``no_grad``); raises when it cannot.
+    ``weight_last``: the backward computes the weight gradients of the ``delay_wgrad`` parts
+    after all else, so a call's backward can leave them for later
+    (``_Run.defer_weights``, :meth:`CompiledStep.weight_grads`: a ZeroBubble schedule's W)."""
     config = config or OverlapConfig()
+    if weight_last:
+        config = dataclasses.replace(config, delay_wgrad=True)
     if config.dispatch_capacity_factor is not None:
         raise _Unsupported(
             "dispatch_capacity_factor needs a check of the overflow flags after each step, which "
@@ -883,7 +919,7 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig
         stages = build_stages(cap, config, device.type, train)
     if info.num_layers == 0 and _has_all_to_all(gm) and (hint := graph_break_hint()) is not None:
         raise _Unsupported(f"no decoder layer in this graph; {hint}")
-    program = build_program(stages, cap, 1, config, forward_only=not train)
+    program = build_program(stages, cap, 1, config, forward_only=not train, weight_last=weight_last and train)
     if info.num_layers == 0:
         log.warning("fxoverlap backend: no decoder layers found in the graph; one stage per direction, no overlap")
     return (CompiledStep if train else CompiledForward)(gm, cap, stages, program, wrapper, config, device)

@@ -31,12 +31,18 @@ What is hooked, and where (``docs/pipeline_parallel.md``):
   after F's first chunk), F's output is sent as soon as F has returned (before the rest of
   B), B's input gradients as soon as B is done, with pipelining's own ops; the schedule's
   later ``SEND_F`` / ``SEND_B`` action for them then finds nothing left to send;
-- ZeroBubble splits (``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT``, which DualPipeV emits):
-  fxoverlap's backward is one autograd node that hands out input and weight gradients
-  together, which ``torch.autograd.grad(inputs=...)`` cannot split. Each stage gets
-  pipelining's own ``dw_builder`` slot: ``BACKWARD_INPUT`` runs the whole backward (weight
-  gradients included) and ``BACKWARD_WEIGHT`` has nothing left to do. Gradients are exact;
-  the weight-gradient delay of a ZeroBubble schedule is not kept.
+- ZeroBubble splits (``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT``: the ZeroBubble schedules and
+  DualPipeV): fxoverlap's backward is one autograd node that hands out input and weight
+  gradients together, which ``torch.autograd.grad(inputs=...)`` cannot split, so each stage
+  uses pipelining's own ``dw_builder`` slot. For these schedules a stage is compiled with the
+  expert, attention and MLP weight gradients cut off into ``delay_wgrad`` parts and
+  scheduled after all of its backward's other work (``compile_step(weight_last=True)``).
+  ``BACKWARD_INPUT`` runs the backward up to them (the input gradients, sent on, and the
+  other parameters' gradients); the ``dw_builder`` closure it leaves runs them at the
+  schedule's ``BACKWARD_WEIGHT`` and adds their gradients into ``p.grad``
+  (:func:`_deferrable_runs`). Where a call cannot defer (a DDP/FSDP module or gradient
+  hooks, which autograd must run; DTensor local shards), ``BACKWARD_INPUT`` runs the whole
+  backward and ``BACKWARD_WEIGHT`` has nothing left to do.
 """
 
 from __future__ import annotations
@@ -88,6 +94,10 @@ def supported_schedules() -> tuple[type, ...]:
             ScheduleZBVZeroBubble)
 
 
+# the schedules that split a backward into BACKWARD_INPUT and a later BACKWARD_WEIGHT
+_WEIGHT_SPLIT_SCHEDULES = frozenset({"ScheduleDualPipeV", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"})
+
+
 def _is_multi_stage(cls: type) -> bool:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
@@ -114,6 +124,11 @@ class _StageCompiler:
         # (forward?, microbatch) of the sends an OVERLAP_F_B step issued early (_EarlySends);
         # the schedule's own SEND_F / SEND_B action for them finds no ops left
         self.sent: set[tuple[bool, int]] = set()
+        # a ZeroBubble schedule (BACKWARD_WEIGHT actions): weight gradients computed last, so
+        # BACKWARD_INPUT can leave them to BACKWARD_WEIGHT; the calls of the BACKWARD_INPUT
+        # running now whose weight part its dw_builder closure takes
+        self.weight_last = False
+        self.deferred: list = []  # backend._Run
         self.module = stage.submod
         self.compiled = torch.compile(stage.submod, backend=self._backend, dynamic=False, fullgraph=False)
 
@@ -125,7 +140,7 @@ class _StageCompiler:
             return gm.forward
         example_inputs, unwrapped = _unwrap_dtensor_inputs(gm, list(example_inputs), where)
         try:
-            step = fxb.compile_step(gm, example_inputs, self.config)
+            step = fxb.compile_step(gm, example_inputs, self.config, weight_last=self.weight_last)
         except (fxb._Unsupported, *fxb.FALLBACK_ERRORS) as e:
             # no silent fallback: the user asked for fxoverlap on this stage
             raise PipelineError(f"fxoverlap cannot compile {where}: {type(e).__name__}: {e}") from e
@@ -139,6 +154,22 @@ class _StageCompiler:
         self.steps.append(step)
         self.registry.setdefault(self.stage.stage_index, []).extend(step.stages)
         return _LocalShards(step, unwrapped) if unwrapped else step
+
+    def weight_step(self) -> Callable[[], None]:
+        """pipelining's ``dw_builder``: the ``BACKWARD_WEIGHT`` of the ``BACKWARD_INPUT`` that just
+        ran, which computes the weight gradients it left (:func:`_deferrable_runs`) and adds them
+        into ``p.grad``; nothing where it left none (then that backward was counted done)."""
+        runs, self.deferred = self.deferred, []
+        if not runs:
+            return lambda: None
+
+        def run_weights() -> None:
+            for run in runs:
+                args = run.args
+                _accumulate(args, run.step.weight_grads(run))
+            self.backward_done()
+
+        return run_weights
 
     def backward_done(self) -> None:
         """One backward of this stage ran; after its last of the step, the DP reduction starts."""
@@ -252,18 +283,23 @@ def _install(stage, compiler: _StageCompiler) -> None:
     stage._fxoverlap = compiler
     # the one place pipelining calls the stage module (forward_one_chunk); instance-local
     stage.forward_maybe_with_nosync = compiler.forward
-    # ZeroBubble: BACKWARD_INPUT runs the whole backward, BACKWARD_WEIGHT nothing (module doc)
-    stage.dw_builder = lambda: (lambda: None)
-    # ... so the backward that completes the step's gradients is the last microbatch's
-    # BACKWARD_INPUT, not its BACKWARD_WEIGHT (which pipelining flags as the last): DDP's
-    # reduction (last_backward) must come with that BACKWARD_INPUT
+    # ZeroBubble: BACKWARD_INPUT runs the backward but the weight gradients it can leave,
+    # BACKWARD_WEIGHT those (module doc)
+    stage.dw_builder = compiler.weight_step
     original = stage.backward_one_chunk
 
     def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        if not full_backward and compiler.backwards + 1 == compiler.n_microbatches:
-            last_backward = True
+        if not full_backward:
+            compiler.deferred = _deferrable_runs(stage, bwd_chunk_id) if compiler.weight_last else []
+            # where this BACKWARD_INPUT completes the step's gradients (DDP leaves nothing for
+            # BACKWARD_WEIGHT), DDP's reduction (last_backward) must come with it, not with the
+            # BACKWARD_WEIGHT pipelining flags as the last
+            if not compiler.deferred and compiler.backwards + 1 == compiler.n_microbatches:
+                last_backward = True
+        deferred = bool(compiler.deferred)
         out = original(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        compiler.backward_done()
+        if not deferred:  # else counted when its BACKWARD_WEIGHT has run
+            compiler.backward_done()
         return out
 
     stage.backward_one_chunk = backward_one_chunk
@@ -433,6 +469,67 @@ def _no_hooks(t: torch.Tensor) -> bool:
     return not getattr(t, "_post_accumulate_grad_hooks", None) and not getattr(t, "_backward_hooks", None)
 
 
+def _calls_of(outputs: Sequence) -> list:
+    """The fxoverlap calls (``backend._Run``) whose outputs ``outputs`` depend on, walking
+    their autograd graph (a stage with graph breaks has several)."""
+    from fxoverlap import backend as fxb
+
+    todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, runs = set(), {}
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        run = getattr(fn, "run", None)
+        if isinstance(run, fxb._Run):
+            runs[id(run)] = run
+        todo.extend(nf for nf, _ in fn.next_functions)
+    return list(runs.values())
+
+
+def _deferrable_runs(stage, mb: int) -> list:
+    """The calls of microbatch ``mb``'s forward whose weight gradients its ``BACKWARD_INPUT``
+    leaves to its ``BACKWARD_WEIGHT``, each marked so (``_Run.defer_weights``): every call,
+    when each has a weight-gradient part and gradients that only fxoverlap accumulates (no
+    DDP/FSDP module, no gradient hooks, no DTensor local shards: autograd must run those);
+    else none (``BACKWARD_INPUT`` then runs the whole backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(stage.submod, (nn.parallel.DistributedDataParallel, FSDPModule)) or mb not in stage.fwd_cache:
+        return []
+    runs = _calls_of(stage.fwd_cache[mb][0])
+    for run in runs:
+        grads = [t for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
+        if (run.state is None or not run.step.splits_weight_grads or run.next_segment != 0
+                or any(hasattr(t, "_fxoverlap_dtensor") or (t.is_leaf and not _no_hooks(t)) for t in grads)):
+            return []
+    for run in runs:
+        run.defer_weights = True
+    return runs
+
+
+def _accumulate(args: Sequence, grads: dict[int, torch.Tensor]) -> None:
+    """Add gradients of a call's graph inputs (by index) into their ``.grad`` as AccumulateGrad
+    does: the first is taken, later ones added; a DTensor's local shard through ``to_local``'s
+    backward, as autograd would."""
+    shards, shard_grads = [], []
+    for i, g in grads.items():
+        t = args[i]
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            continue
+        if hasattr(t, "_fxoverlap_dtensor"):
+            shards.append(t)
+            shard_grads.append(g)
+            continue
+        if t.grad is None:
+            t.grad = g
+        else:
+            t.grad += g
+    if shards:
+        torch.autograd.backward(shards, shard_grads)
+
+
 def _merged_backward(schedule, stages, sub):
     """B(j) of a merged step, run outside autograd in turns with F(i): ``(generator, finish)``,
     or ``None`` when this backward cannot be taken out of autograd (then F and B run one
@@ -481,6 +578,11 @@ def _merged_backward(schedule, stages, sub):
     grad_outputs: list = [None] * len(step.capture.outputs)
     for t, g in zip(outs, grads):
         grad_outputs[t.output_nr] = torch.zeros_like(t) if g is None else g
+    compiler = stage._fxoverlap
+    # a BACKWARD_INPUT of a ZeroBubble schedule leaves the weight gradients to its BACKWARD_WEIGHT
+    compiler.deferred = (_deferrable_runs(stage, mb) if sub.computation_type == BACKWARD_INPUT and compiler.weight_last
+                         else [])
+    deferred = bool(compiler.deferred)
     del stage.fwd_cache[mb]
     last = _backward_counter(schedule, sub)
     del last  # DDP/FSDP (what last_backward is for) take the autograd path
@@ -488,22 +590,9 @@ def _merged_backward(schedule, stages, sub):
     args = run.args  # the generator drops them from the run when done
 
     def finish() -> None:
-        shards, shard_grads = [], []
-        for i, g in run.grads.items():  # as AccumulateGrad: the first gradient is taken, later ones added
-            t = args[i]
-            if not (isinstance(t, torch.Tensor) and t.requires_grad):
-                continue
-            if hasattr(t, "_fxoverlap_dtensor"):
-                shards.append(t)
-                shard_grads.append(g)
-                continue
-            if t.grad is None:
-                t.grad = g
-            else:
-                t.grad += g
-        if shards:  # local shards of DTensor parameters: through to_local's backward, as autograd would
-            torch.autograd.backward(shards, shard_grads)
-        stage._fxoverlap.backward_done()
+        _accumulate(args, run.grads)
+        if not deferred:  # else counted when its BACKWARD_WEIGHT has run
+            compiler.backward_done()
         grad_inputs = []
         for v in input_values:  # as pipelining's stage_backward
             if isinstance(v, torch.Tensor):
@@ -513,7 +602,7 @@ def _merged_backward(schedule, stages, sub):
                 grad_inputs.append(None)
         stage.bwd_cache[mb] = tuple(grad_inputs)[: len(stage._stage_meta.inputs)]
         if sub.computation_type == BACKWARD_INPUT:
-            stage.dw_runner[mb] = stage.dw_builder()
+            stage.dw_runner[mb] = stage.dw_builder()  # takes the calls left to BACKWARD_WEIGHT
         if stage.is_last and not stage.is_first:
             for t in stage_output:
                 if not t._is_view():
@@ -666,9 +755,11 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
         raise PipelineError(f"pipeline stages {fsdp}: FSDP-wrapped stage modules are not supported by "
                             f"fxoverlap.pipeline_schedule yet (DDP is; docs/pipeline_parallel.md)")
     registry: dict[int, list[Stage]] = {}
+    weight_last = schedule_cls.__name__ in _WEIGHT_SPLIT_SCHEDULES
     for st in local:
         compiler = _StageCompiler(st, config, registry)
         compiler.n_microbatches = n_microbatches
+        compiler.weight_last = weight_last
         if dp_group is not None:
             from fxoverlap.grad_reduce import GradAllReduce
 

@@ -27,7 +27,7 @@ from fxoverlap.ir.meta import STEP_KEY
 from fxoverlap.ir.capture import Capture, inner_value
 from fxoverlap.ir.errors import FxOverlapError, InternalError
 from fxoverlap.ir.program import Step, bucket_value
-from fxoverlap.ir.stage import Direction, Stage, StreamKind
+from fxoverlap.ir.stage import Direction, Part, Stage, StreamKind
 
 # A hook wraps every stage call: hook(node, stage, run) must call run() (which
 # runs the stage on its inputs, on its stream) and return its outputs.
@@ -190,6 +190,21 @@ class ProgramRunner:
                 step_args = program_ops.marker_args(node.target, step) if step is not None else node.args
                 self._bound.append((methods[node.target], step_args))
                 self._traced.append((node.name, node.args[0]) if node.target is program_ops.free else None)
+        self.weight_start = self._weight_start()
+
+    def _weight_start(self) -> int:
+        """Where the backward's trailing weight-gradient part begins (a program scheduled with
+        ``weight_last``): its first ``WGRAD`` stage after the last other stage, with the waits
+        before it; the end of the program where there is none."""
+        calls = [(i, args[1]) for i, (fn, args) in enumerate(self._bound) if fn == self.call_stage]
+        start = len(self._bound)
+        for i, stage in reversed(calls):
+            if stage.part is not Part.WGRAD or stage.direction is not Direction.BWD:
+                break
+            start = i
+        while start < len(self._bound) and start and self._bound[start - 1][0] == self.wait_event:
+            start -= 1
+        return start
 
     def _ctx(self, stream: StreamKind):
         return torch.cuda.stream(self.streams[stream]) if self.streams else contextlib.nullcontext()
@@ -219,19 +234,32 @@ class ProgramRunner:
     def set_tangents(self, state: RunState, microbatch: int, tangents: Sequence[torch.Tensor]) -> None:
         state.stores[microbatch].update(zip(self.capture.tangents, tangents))
 
+    def has_weight_part(self) -> bool:
+        """Whether the backward ends in a weight-gradient part (``"weight_grads"`` is not empty)."""
+        return self.backward_start is not None and self.weight_start < len(self._bound)
+
+    def _spans(self) -> dict[str, tuple[int, int]]:
+        end = len(self._bound)
+        split = end if self.backward_start is None else self.backward_start
+        weight = max(split, self.weight_start)
+        return {"all": (0, end), "forward": (0, split), "backward": (split, end),
+                "input_grads": (split, weight), "weight_grads": (weight, end)}
+
     def execute(self, state: RunState, part: str | tuple[int, int] = "all", on_error: Callable | None = None) -> None:
         """Run ``"all"`` of the program, its ``"forward"`` / ``"backward"`` part (one
-        microbatch, as the torch.compile backend runs it from an autograd.Function), or
-        the span ``(lo, hi)`` of it that one of :meth:`grad_segments` names."""
-        split = len(self._bound) if self.backward_start is None else self.backward_start
-        spans = {"all": (0, len(self._bound)), "forward": (0, split), "backward": (split, len(self._bound))}
+        microbatch, as the torch.compile backend runs it from an autograd.Function), the
+        backward's ``"input_grads"`` then ``"weight_grads"`` part (a program scheduled with
+        ``weight_last``: a ZeroBubble schedule's B and W), or the span ``(lo, hi)`` of it
+        that one of :meth:`grad_segments` names."""
+        spans = self._spans()
+        split = spans["backward"][0]
         lo, hi = spans[part] if isinstance(part, str) else part
         self._on_error = on_error
         if self.streams:
             # the compute stream is the caller's current one (autograd may run a backward
             # on another stream than the forward's)
             self.streams[StreamKind.COMP] = torch.cuda.current_stream(self.device)
-            if part == "backward" or (not isinstance(part, str) and lo == split):
+            if part in ("backward", "input_grads") or (not isinstance(part, str) and lo == split):
                 # the backward starts: its comm work follows what came before it
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
         self._state = state
@@ -253,12 +281,11 @@ class ProgramRunner:
             state.memory_trace.append(("end", -1, live_bytes(state.stores, state.static_keys)))
 
     def turns(self, part: str) -> list[tuple[int, int]]:
-        """The ``"forward"`` or ``"backward"`` part cut right after each call of a stage on the
-        comm stream: spans for :meth:`execute`. Running two programs' chunks in turns (a
-        merged F(i) ⊗ B(j) step of pipeline parallelism) puts each one's compute under the
-        other's communication."""
-        split = len(self._bound) if self.backward_start is None else self.backward_start
-        lo, hi = (0, split) if part == "forward" else (split, len(self._bound))
+        """The ``"forward"``, ``"backward"`` or ``"input_grads"`` part cut right after each call
+        of a stage on the comm stream: spans for :meth:`execute`. Running two programs' chunks
+        in turns (a merged F(i) ⊗ B(j) step of pipeline parallelism) puts each one's compute
+        under the other's communication."""
+        lo, hi = self._spans()[part]
         out, start = [], lo
         for i in range(lo, hi):
             fn, args = self._bound[i]

@@ -87,6 +87,7 @@ class PassState:
     num_microbatches: int = 1
     forward_only: bool = False
     reduce_grads: bool = False
+    weight_last: bool = False  # schedule: the backward's weight-gradient parts after all else
     program: torch.fx.GraphModule | None = None
 
 
@@ -159,7 +160,8 @@ def _inductor(st: PassState) -> None:
 
 
 def _schedule(st: PassState) -> None:
-    st.program = schedule(st.stages, st.capture, st.num_microbatches, forward_only=st.forward_only)
+    st.program = schedule(st.stages, st.capture, st.num_microbatches, forward_only=st.forward_only,
+                          weight_last=st.weight_last)
 
 
 def _reduce(st: PassState) -> None:
@@ -269,11 +271,14 @@ def build_stages(capture: Capture, config: OverlapConfig, device_type: str, trai
 
 
 def build_program(stages: list[Stage], capture: Capture, num_microbatches: int, config: OverlapConfig,
-                  forward_only: bool = False, reduce_grads: bool = False) -> torch.fx.GraphModule:
+                  forward_only: bool = False, reduce_grads: bool = False,
+                  weight_last: bool = False) -> torch.fx.GraphModule:
     """The program that runs ``stages`` over ``num_microbatches`` microbatches; with
-    ``reduce_grads``, it also reduces the gradients over the data-parallel groups."""
+    ``reduce_grads``, it also reduces the gradients over the data-parallel groups; with
+    ``weight_last`` (one microbatch), its backward computes the weight gradients of the
+    ``delay_wgrad`` parts after everything else (a ZeroBubble schedule's B then W)."""
     state = PassState(capture, config, stages=stages, num_microbatches=num_microbatches,
-                      forward_only=forward_only, reduce_grads=reduce_grads)
+                      forward_only=forward_only, reduce_grads=reduce_grads, weight_last=weight_last)
     return run_passes("program", state).program
 
 

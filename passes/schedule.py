@@ -49,6 +49,11 @@ all-to-all. Per MoE layer l:
 A wgrad part with no comm stage after it (layer 0's attn, dense layers under the
 lowest MoE layer) runs right after its parent: waiting would only hold memory.
 
+``weight_last`` (a one-microbatch program: a pipeline stage's backward under a ZeroBubble
+schedule) puts every wgrad part after all of B's other stages instead, so the program's
+backward is two spans: input gradients (``BACKWARD_INPUT``), then weight gradients
+(``BACKWARD_WEIGHT``, run later by the pipeline schedule).
+
 Chunks (``chunk``: a layer's exchange -> experts -> exchange cut into K chunks): in the plain
 orders the chain is issued ``first(0), experts(0), first(1), last(0), experts(1), ...,
 last(K-1)``, so each exchange but the first and the last runs under a chunk's experts; in the
@@ -67,7 +72,8 @@ Steps
 3. Check that every stage ran once per microbatch, and the order of random draws.
 
 Entry point: ``schedule(stages, capture, num_microbatches) -> GraphModule``;
-``schedule(stages, capture, 1, forward_only=True)`` emits the forward alone.
+``schedule(stages, capture, 1, forward_only=True)`` emits the forward alone,
+``schedule(stages, capture, 1, weight_last=True)`` the weight gradients last.
 """
 
 from __future__ import annotations
@@ -173,12 +179,17 @@ class _Emitter:
             self.emit(self.layer_order(F, layer), mb)
         self.emit(self.get(F, num_layers, K.HEAD), mb)
 
-    def backward(self, mb: int, num_layers: int) -> None:
-        """What is left of B(mb), in plain order, each wgrad part after the next comm stage."""
+    def backward(self, mb: int, num_layers: int, weight_last: bool = False) -> None:
+        """What is left of B(mb), in plain order, each wgrad part after the next comm stage
+        (``weight_last``: every wgrad part after all of B's input-gradient work)."""
         order = list(self.get(B, num_layers, K.HEAD))
         for layer in reversed(range(num_layers)):
             order += self.layer_order(B, layer)
         order += self.get(B, -1, K.EMBED)
+        if weight_last:
+            self.emit(order, mb)
+            self.emit(self.part(order, Part.WGRAD), mb)
+            return
         comm_left = sum(s.stream is StreamKind.COMM for s in order)
         pending: list[Stage] = []  # wgrad parts waiting for the next comm stage
         for s in order:
@@ -231,10 +242,14 @@ class _Emitter:
 
 
 def schedule(
-    stages: list[Stage], capture: Capture, num_microbatches: int, forward_only: bool = False
+    stages: list[Stage], capture: Capture, num_microbatches: int, forward_only: bool = False,
+    weight_last: bool = False,
 ) -> torch.fx.GraphModule:
     if num_microbatches < 1:
         raise ScheduleError("schedule: need at least one microbatch")
+    if weight_last and num_microbatches != 1:
+        raise ScheduleError("schedule: weight_last is for a one-microbatch program (a pipeline stage's B), "
+                            f"not {num_microbatches} microbatches")
     num_layers = capture.num_layers
     e = _Emitter(stages, capture)
     for r in stages:
@@ -248,7 +263,7 @@ def schedule(
     if not forward_only:
         for i in range(1, num_microbatches):
             e.merged(i, i, i - 1, num_layers)
-        e.backward(num_microbatches - 1, num_layers)
+        e.backward(num_microbatches - 1, num_layers, weight_last)
     else:
         for mb in range(1, num_microbatches):
             e.forward(mb, num_layers)

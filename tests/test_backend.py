@@ -447,3 +447,52 @@ def test_two_gpus_nccl():
             _check_stages(name, res, moe_layers=[0])
             assert res["separate_comm_stream"], f"{name}: comm stages did not get their own stream"
             print(name, "bitwise" if all(g[2] for g in res["grads"]) else f"max diff {max(g[0] for g in res['grads'])}")
+
+
+def test_weight_gradients_deferred_to_a_later_call(monkeypatch):
+    """``compile_step(weight_last=True)`` (a ZeroBubble pipeline stage's program): a call's
+    backward with ``defer_weights`` hands out the input gradients and every gradient not in a
+    weight-gradient part; the expert/attention/MLP weight gradients come from
+    ``weight_grads`` later. Together they are eager's gradients, bitwise; a second
+    ``weight_grads`` raises."""
+    monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", 0)  # several segments, each clipped at the weight part
+    cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
+    torch.manual_seed(0)
+    eager = MoETransformer(cfg, None)
+    torch.manual_seed(0)
+    model = MoETransformer(cfg, None)
+    steps = []
+
+    def backend(gm, example_inputs):
+        steps.append(fxb.compile_step(gm, example_inputs, fxb.backend_config(), weight_last=True))
+        steps[-1].keep_args = True
+        return steps[-1]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    batch = _batch(0, 0, cfg.vocab_size)
+    eager(*batch).backward()
+    loss = compiled(*batch)
+    (step,) = steps
+    assert step.splits_weight_grads
+    wgrad = [s for s in step.stages if str(s.part) == "wgrad"]
+    assert wgrad and {str(s.kind) for s in wgrad} >= {"experts"}
+    run = loss.grad_fn.run
+    run.defer_weights = True
+    loss.backward()
+    params = dict(model.named_parameters())
+    late = {n for n, p in params.items() if p.grad is None}
+    # the layers' weights (attention, norms, experts); the embedding and head are not cut
+    assert late and all(n.startswith("layers.") for n in late), late
+    assert any(".experts." in n for n in late), late
+    args = run.args
+    grads = step.weight_grads(run)
+    index = {id(a): i for i, a in enumerate(args)}
+    assert {index[id(params[n])] for n in late} <= set(grads)
+    for i, g in grads.items():
+        args[i].grad = g if args[i].grad is None else args[i].grad + g
+    ref = dict(eager.named_parameters())
+    assert all(torch.equal(p.grad, ref[n].grad) for n, p in params.items()), \
+        [n for n, p in params.items() if not torch.equal(p.grad, ref[n].grad)]
+    with pytest.raises(fxb.BackendError, match="weight gradients"):
+        step.weight_grads(run)

@@ -71,6 +71,22 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
                 assert calls[first_dispatch + 1][0] == "bwd", (where, calls)
 
 
+def _check_weight_steps(results: list[dict], schedule: str) -> None:
+    """ZeroBubble splits: the weight-gradient parts (expert, attention and MLP weight
+    gradients) run inside BACKWARD_WEIGHT actions, where the schedule has them: all of them
+    for the ZeroBubble schedules (every backward is I then W), some for DualPipeV (whose
+    OVERLAP_F_B steps run full backwards); other schedules compute no such parts."""
+    for r in results:
+        where = (f"rank {r['rank']} stages {r['stages']}", r["wgrad_calls"])
+        w, other = r["wgrad_calls"]["in_W"], r["wgrad_calls"]["elsewhere"]
+        if schedule in ("ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble"):
+            assert w > 0 and other == 0, where
+        elif schedule == "ScheduleDualPipeV":
+            assert w > 0 and other > 0, where
+        else:
+            assert w == 0 and other == 0, where
+
+
 def _check_p2p_order(results: list[dict]) -> None:
     """The P2P of each merged OVERLAP_F_B step (DualPipeV): F's output activation is sent as
     soon as F has returned, before B's last stage runs; B's input gradients right after B's
@@ -120,6 +136,7 @@ def test_pp2_ep1(schedule, kind):
     opts = {"loss_weight": 0.5} if kind == "mhc" else {"scale_grads": False} if schedule == "ScheduleZBVZeroBubble" else {}
     results = run_distributed_once(pp_cases.run_case, schedule, kind, 1, opts, world_size=2)
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
+    _check_weight_steps(results, schedule)
     if kind == "ref":  # MoE layers: the all-to-alls are stages of their own
         kinds = {k for r in results for st in r["fxoverlap_stages"].values() for k, _, _ in st}
         assert {"dispatch", "experts", "combine"} <= kinds
@@ -129,6 +146,7 @@ def test_pp2_ep1(schedule, kind):
 def test_pp2_ep2(schedule):
     results = run_distributed(pp_cases.run_case, schedule, "ref", 2, world_size=4)
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
+    _check_weight_steps(results, schedule)
     if schedule == "ScheduleDualPipeV":
         _check_p2p_order(results)
 
@@ -337,4 +355,4 @@ class MergedStepSnapshot(expecttest.TestCase):
     def test_first_merged_step_of_rank0(self):
         results = run_distributed_once(pp_cases.run_case, "ScheduleDualPipeV", "ref", 1, {}, world_size=2)
         calls = next(r for r in results if r["rank"] == 0)["merged_calls"][0]
-        self.assertExpectedInline(" ".join(f"{d}:{k}" for d, k in calls), """fwd:embed fwd:attn fwd:dispatch bwd:head bwd:post bwd:combine fwd:attn fwd:experts fwd:combine bwd:attn bwd:experts bwd:dispatch fwd:post bwd:attn""")
+        self.assertExpectedInline(" ".join(f"{d}:{k}" for d, k in calls), """fwd:embed fwd:attn fwd:dispatch bwd:head bwd:post bwd:combine fwd:attn.side fwd:experts fwd:combine bwd:attn.early bwd:experts bwd:dispatch fwd:post bwd:attn bwd:experts.wgrad""")

@@ -291,12 +291,29 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
         finally:
             merged_calls.append(None)
 
+    # weight-gradient parts (delay_wgrad) run: inside a BACKWARD_WEIGHT action or elsewhere
+    wgrad_calls = {"in_W": 0, "elsewhere": 0}
+    in_weight_step = [False]
+
     def call_stage(self, node, stage, mb, cross):
+        what = (str(stage.direction), str(stage.kind) + (f".{stage.part}" if str(stage.part) else ""))
         if merged_calls and merged_calls[-1] is not None:
-            merged_calls[-1].append((str(stage.direction), str(stage.kind)))
+            merged_calls[-1].append(what)
         if current[0] is not None:
-            current[0].append((str(stage.direction), str(stage.kind)))
+            current[0].append(what)
+        if str(stage.part) == "wgrad":
+            wgrad_calls["in_W" if in_weight_step[0] else "elsewhere"] += 1
         return orig_call(self, node, stage, mb, cross)
+
+    for st in stages:
+        def weight_one_chunk(*a, orig=st.backward_weight_one_chunk, **kw):
+            in_weight_step[0] = True
+            try:
+                return orig(*a, **kw)
+            finally:
+                in_weight_step[0] = False
+
+        st.backward_weight_one_chunk = weight_one_chunk
 
     def batch_p2p(ops, desc=None):
         if ops and all(op.op is dist.isend for op in ops):
@@ -371,6 +388,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     out["overlap_steps"] = getattr(sched, "fxoverlap_overlap_steps", None)
     out["merged_steps"] = getattr(sched, "fxoverlap_merged_steps", None)
     out["merged_calls"] = [c for c in merged_calls if c is not None]
+    out["wgrad_calls"] = wgrad_calls
     out["overlap_events"] = overlap_steps
     out["sends"] = dict(sends, actions=send_actions)
     out["stage_rank"] = None if order is None else dict(sched.stage_index_to_group_rank)
