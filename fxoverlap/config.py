@@ -140,6 +140,12 @@ class OverlapConfig:
             ``dispatch``/``combine`` (torchtitan's functional all-to-all, token-once, the
             static dispatchers), or whose experts draw random numbers, runs unchunked, and
             the compile log says why.
+        chunks_in_merged_steps: also run the chunks in the merged steps F(i+1) ⊗ B(i) of
+            ``optimize``'s 1F1B program, where the other microbatch already hides the
+            exchanges and chunks only add their cost (smaller GEMMs, the rows' copies).
+            ``False`` (the default): a layer cut into chunks keeps its whole exchange too,
+            and the program runs the chunks for microbatches 0 and N-1 (F(0) and B(0),
+            F(N-1) and B(N-1)) and the whole exchange for the others.
         disable_passes: names of passes to switch off, for debugging (``fxoverlap.passes.PASSES``
             lists them in order, with why each can or cannot be). Switchable: ``"side"`` (as
             ``side_stages=False``), ``"cudagraph"`` (no CUDA graphs), ``"inductor"`` (compute
@@ -166,6 +172,7 @@ class OverlapConfig:
     grad_reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
     reduce_bucket_mb: float = 25.0
     chunks: int | None = None
+    chunks_in_merged_steps: bool = False
     disable_passes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -42,7 +42,9 @@ Steps
    experts are row-wise (:func:`_row_wise`); a layer that is not is put back
    (the pass reruns on the original graph without it).
 
-Entry point: ``chunk(gm, chunks) -> Chunking``.
+Entry point: ``chunk(gm, chunks) -> Chunking``. After ``split``, :func:`with_whole_chains` joins
+the stages of the cut graph and of the graph before the cut (whose whole chains the microbatches
+of the merged steps run: ``OverlapConfig.chunks_in_merged_steps``).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import RNG_ORDER_KEY, TAG_KEY, op_name
-from fxoverlap.ir.stage import Direction, StageKind, Tag
+from fxoverlap.ir.stage import Direction, Stage, StageKind, Tag
 from fxoverlap.kernels import a2a
 from fxoverlap.ops import COMBINE_CHUNK_OP, COMBINE_OP, DISPATCH_CHUNK_OP, DISPATCH_OP, MERGE_CHUNKS_OP
 from fxoverlap.passes.dispatcher import propagate_fake_values
@@ -251,10 +253,11 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
                                                     c, chunks), Tag(F, L, K.COMBINE, chunk=c), chain.combine))
             envs.append(env)
         first = envs[0][chain.recv_counts]
-        merged = _new(g, MERGE_CHUNKS_OP, (parts, counts, chain.ep, chain.combine.args[4], first),
-                      Tag(F, L, K.COMBINE, chunk=last), chain.combine)
-    chain.combine.replace_all_uses_with(merged)
-    old = [d, chain.received, chain.recv_counts, *chain.fwd_rows, chain.combine]
+    # the old exchange becomes the merge, so the value keeps its name: the stages that read it
+    # are those of the uncut graph (chunk.with_whole_chains)
+    _become(chain.combine, MERGE_CHUNKS_OP, (parts, counts, chain.ep, chain.combine.args[4], first),
+            Tag(F, L, K.COMBINE, chunk=last))
+    old = [d, chain.received, chain.recv_counts, *chain.fwd_rows]
     for n in chain.fwd_experts + chain.bwd_experts:  # shared by the chunks: in chunk 0's stage
         if n not in chain.fwd_rows and n not in chain.bwd_rows:
             n.meta[TAG_KEY] = dataclasses.replace(n.meta[TAG_KEY], chunk=0)
@@ -272,20 +275,24 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
                     _copy(g, n, env, c)
                 parts.append(_new(g, COMBINE_CHUNK_OP, (env[bc.args[0]], env[chain.recv_counts], counts, group, c,
                                                         chunks), Tag(B, L, K.DISPATCH, chunk=c), bc))
-            merged = _new(g, MERGE_CHUNKS_OP, (parts, counts, chain.ep, bc.args[4], first),
-                          Tag(B, L, K.DISPATCH, chunk=last), bc)
+            _become(bc, MERGE_CHUNKS_OP, (parts, counts, chain.ep, bc.args[4], first), Tag(B, L, K.DISPATCH, chunk=last))
             for n in grads:  # the old node becomes the sum, so the capture's name for the gradient holds
                 total = envs[0][n]
                 for env in envs[1:-1]:
                     total = _new(g, torch.ops.aten.add.Tensor, (total, env[n]), Tag(B, L, K.EXPERTS, chunk=last), n)
-                n.target, n.args, n.kwargs = torch.ops.aten.add.Tensor, (total, envs[-1][n]), {}
-                for k in _FAKE_KEYS:
-                    n.meta.pop(k, None)
-                n.meta[TAG_KEY] = dataclasses.replace(n.meta[TAG_KEY], chunk=last)
-        bc.replace_all_uses_with(merged)
-        old += [bd, *_getitems(bd).values(), *(n for n in chain.bwd_rows if n not in grads), bc]
+                _become(n, torch.ops.aten.add.Tensor, (total, envs[-1][n]),
+                        dataclasses.replace(n.meta[TAG_KEY], chunk=last))
+        old += [bd, *_getitems(bd).values(), *(n for n in chain.bwd_rows if n not in grads)]
     for n in sorted(old, key=_position(gm), reverse=True):
         g.erase_node(n)
+
+
+def _become(n: torch.fx.Node, target, args: tuple, tag: Tag) -> None:
+    """Make ``n`` compute ``target(*args)`` under ``tag``, keeping its name and its users."""
+    n.target, n.args, n.kwargs = target, args, {}
+    for k in _FAKE_KEYS:
+        n.meta.pop(k, None)
+    n.meta[TAG_KEY] = tag
 
 
 def _sort(graph: torch.fx.Graph) -> None:
@@ -384,3 +391,41 @@ def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset())
         if not bad:
             return Chunking(out, chunks, cut, dict(sorted(skipped.items())))
         skipped.update(bad)
+
+
+def with_whole_chains(cut: list[Stage], whole: list[Stage]) -> tuple[list[Stage], str | None]:
+    """The stages of the graph ``chunk`` cut, plus the whole chains (dispatch, experts, combine,
+    their parts) of the graph before the cut: ``schedule`` runs, per microbatch, a layer's
+    chunks or its whole chain. Both must read and hand on the same values: every stage outside
+    the chains is the same in both (same name, inputs, outputs and code), and each layer's
+    whole chain reads and produces what its chunks read and produce from and for the rest.
+    Where that does not hold, the cut stages alone, and why (then every microbatch runs the
+    chunks)."""
+    cut_layers = {s.layer for s in cut if s.chunk is not None}
+
+    def in_chain(s: Stage) -> bool:  # forward and backward: the backward reads what the forward saved
+        return s.kind in (K.DISPATCH, K.EXPERTS, K.COMBINE) and s.layer in cut_layers
+
+    rest = {s.name: s for s in cut if not in_chain(s)}
+    other = {s.name: s for s in whole if not in_chain(s)}
+    if rest.keys() != other.keys():
+        return cut, f"the stages outside the chains differ ({sorted(rest.keys() ^ other.keys())[:4]})"
+    for name, s in rest.items():
+        o = other[name]
+        if (s.inputs, s.outputs) != (o.inputs, o.outputs) or s.graph_module.code != o.graph_module.code:
+            return cut, f"stage {name} differs between the cut graph and the whole one"
+    rest_reads = {v for s in rest.values() for v in s.inputs}
+    for layer in cut_layers:
+        mine = [s for s in cut if in_chain(s) and s.layer == layer]
+        theirs = [s for s in whole if in_chain(s) and s.layer == layer]
+        if _boundary(mine, rest_reads) != _boundary(theirs, rest_reads):
+            return cut, f"layer {layer}'s chunks and its whole chain read or hand on different values"
+    return cut + [s for s in whole if in_chain(s)], None
+
+
+def _boundary(chain: list[Stage], rest_reads: set[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """What a chain reads from outside it, and what it hands on: to the other stages
+    (``rest_reads``: what they read) and to the graph's outputs (what no stage reads)."""
+    made = {v for s in chain for v in s.outputs}
+    read = {v for s in chain for v in s.inputs}
+    return frozenset(read - made), frozenset((made & rest_reads) | (made - read - rest_reads))

@@ -43,7 +43,7 @@ from fxoverlap.ir.meta import SAVED_COMM_KEY, STEP_KEY
 from fxoverlap.ir.program import free as free_op
 from fxoverlap.ir.program import record_event, wait_event
 from fxoverlap.ir.stage import Stage, format_stage_table
-from fxoverlap.passes.chunk import chunk
+from fxoverlap.passes.chunk import chunk, with_whole_chains
 from fxoverlap.passes.cudagraph import cudagraph
 from fxoverlap.passes.dispatcher import dispatcher
 from fxoverlap.passes.free import free
@@ -83,6 +83,9 @@ class PassState:
     device_type: str = "cpu"
     train: bool = True
     graph: torch.fx.GraphModule | None = None
+    # the graph before ``chunk`` cut it, whose whole exchanges the microbatches of the merged
+    # steps run (None: the cut graph is the only one)
+    whole_graph: torch.fx.GraphModule | None = None
     stages: list[Stage] | None = None
     num_microbatches: int = 1
     forward_only: bool = False
@@ -126,6 +129,8 @@ def _rng(st: PassState) -> None:
 
 def _chunk(st: PassState) -> None:
     cut = chunk(st.graph, st.config.resolved_chunks(st.device_type), st.capture.static_placeholders)
+    if cut.layers and st.train and not st.config.chunks_in_merged_steps:
+        st.whole_graph = st.graph  # chunk cut a copy
     st.graph = cut.graph
     if cut.skipped:
         whys = "; ".join(f"layer {layer}: {why}" for layer, why in cut.skipped.items())
@@ -137,6 +142,9 @@ def _chunk(st: PassState) -> None:
 def _recompute(st: PassState) -> None:
     cfg = st.config
     st.graph = recompute(st.graph, st.capture.num_layers, cfg.mhc_recompute_group, replay_comm=cfg.ac_replay_comm)
+    if st.whole_graph is not None:
+        st.whole_graph = recompute(st.whole_graph, st.capture.num_layers, cfg.mhc_recompute_group,
+                                   replay_comm=cfg.ac_replay_comm)
     if layers := st.graph.meta.get(SAVED_COMM_KEY):
         _progress(f"fxoverlap: activation checkpointing keeps the all-to-all outputs of layers "
                   f"{', '.join(map(str, layers))} for the backward, where eager's checkpoint exchanges "
@@ -145,7 +153,14 @@ def _recompute(st: PassState) -> None:
 
 
 def _split(st: PassState) -> None:
-    st.stages = split(st.graph, st.capture.num_layers, delay_wgrad=st.config.delay_wgrad and st.train)
+    delay = st.config.delay_wgrad and st.train
+    st.stages = split(st.graph, st.capture.num_layers, delay_wgrad=delay)
+    if st.whole_graph is not None:
+        whole = split(st.whole_graph, st.capture.num_layers, delay_wgrad=delay)
+        st.stages, why = with_whole_chains(st.stages, whole)
+        if why is not None:
+            _progress(f"fxoverlap: the chunks run in every microbatch, the merged steps' too: {why}",
+                      show=st.config.progress and st.config.chunks is not None)
 
 
 def _cudagraph(st: PassState) -> None:

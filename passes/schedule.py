@@ -57,7 +57,11 @@ backward is two spans: input gradients (``BACKWARD_INPUT``), then weight gradien
 Chunks (``chunk``: a layer's exchange -> experts -> exchange cut into K chunks): in the plain
 orders the chain is issued ``first(0), experts(0), first(1), last(0), experts(1), ...,
 last(K-1)``, so each exchange but the first and the last runs under a chunk's experts; in the
-merged steps each slot runs a kind's chunks back to back.
+merged steps each slot runs a kind's chunks back to back. Where a layer has both its chunks and
+its whole chain (``chunk.with_whole_chains``; ``OverlapConfig.chunks_in_merged_steps=False``),
+the microbatches that run with no other beside them, 0 and N-1 (F(0) and B(N-1), and the
+other half of each: B(0), F(N-1)), run the chunks, the others the whole chain; a
+forward-only program runs the chunks in every microbatch.
 
 Random ops draw in eager's order: every draw of microbatch ``i`` comes after the
 draws eager makes before it (its own earlier ones, and all of microbatch ``i - 1``'s),
@@ -98,12 +102,22 @@ F, B, K = Direction.FWD, Direction.BWD, StageKind
 
 
 class _Emitter:
-    def __init__(self, stages: list[Stage], capture: Capture):
+    def __init__(self, stages: list[Stage], capture: Capture, alone: set[int]):
+        # (direction, layer, kind) -> its main stages; where a layer has its chunks and its whole
+        # chain (chunk.with_whole_chains), ``main`` holds the whole one and ``chunked`` the chunks,
+        # which the microbatches in ``alone`` run
         self.main: dict[tuple, list[Stage]] = {}
+        self.chunked: dict[tuple, list[Stage]] = {}
+        self.alone = alone
         self.parts: dict[tuple[str, Part], Stage] = {}  # (parent stage name, part) -> that part
         for s in stages:
             if s.part is Part.MAIN:
                 self.main.setdefault((s.direction, s.layer, s.kind), []).append(s)
+        for key, group in list(self.main.items()):
+            cut = [s for s in group if s.chunk is not None]
+            if cut and len(cut) < len(group):
+                self.main[key] = [s for s in group if s.chunk is None]
+                self.chunked[key] = cut
         for s in stages:
             if s.part is not Part.MAIN:  # its parent: the main stage of its chunk
                 self.parts[(stage_name(s.tag.with_part(Part.MAIN)), s.part)] = s
@@ -121,8 +135,17 @@ class _Emitter:
         # (merged step, layer pair, slot) of the stages emitted now; None outside slots
         self.slot: tuple[int, int, int] | None = None
 
-    def get(self, direction: Direction, layer: int, kind: StageKind) -> list[Stage]:
-        return self.main.get((direction, layer, kind), [])
+    def get(self, direction: Direction, layer: int, kind: StageKind, mb: int) -> list[Stage]:
+        key = (direction, layer, kind)
+        if mb in self.alone and key in self.chunked:
+            return self.chunked[key]
+        return self.main.get(key, [])
+
+    def runs(self, s: Stage, mb: int) -> bool:
+        """Whether microbatch ``mb`` runs stage ``s`` (a layer's chunks or its whole chain)."""
+        if (s.direction, s.layer, s.kind) not in self.chunked:
+            return True
+        return (s.chunk is not None) == (mb in self.alone)
 
     def part(self, stages: list[Stage], part: Part) -> list[Stage]:
         return [self.parts[(s.name, part)] for s in stages if (s.name, part) in self.parts]
@@ -151,14 +174,14 @@ class _Emitter:
                            name=f"{marker.__name__}_{node.name}")
 
     # ---- plain orders (F(0), the forward-only program, the drain B(N-1))
-    def chain(self, direction: Direction, layer: int) -> list[Stage]:
+    def chain(self, direction: Direction, layer: int, mb: int) -> list[Stage]:
         """A layer's exchange -> experts -> exchange in issue order, with the attn part that runs
         under the first exchange. Cut into chunks (``chunk``), chunk c+1's first exchange is
         issued right after chunk c's experts and chunk c's second exchange right after it, so
         the comm stream runs first(c+1) under experts(c) and second(c) under experts(c+1)."""
         first_kind, last_kind = (K.DISPATCH, K.COMBINE) if direction is F else (K.COMBINE, K.DISPATCH)
-        first, mid, last = (self.get(direction, layer, k) for k in (first_kind, K.EXPERTS, last_kind))
-        under = self.part(self.get(direction, layer, K.ATTN), Part.SIDE if direction is F else Part.EARLY)
+        first, mid, last = (self.get(direction, layer, k, mb) for k in (first_kind, K.EXPERTS, last_kind))
+        under = self.part(self.get(direction, layer, K.ATTN, mb), Part.SIDE if direction is F else Part.EARLY)
         if len(first) != len(mid) or len(mid) != len(last) or len(mid) <= 1:
             return first + under + mid + last
         order = first[:1] + under
@@ -166,26 +189,27 @@ class _Emitter:
             order += [experts] + first[c + 1:c + 2] + [last[c]]
         return order
 
-    def layer_order(self, direction: Direction, layer: int) -> list[Stage]:
+    def layer_order(self, direction: Direction, layer: int, mb: int) -> list[Stage]:
         """One layer's stages in plain order (the backward's reversed), the exchanges as :meth:`chain` issues them."""
         kinds = (K.ATTN, None, K.MLP, K.POST)  # None: the chain
         if direction is B:
             kinds = kinds[::-1]
-        return [s for k in kinds for s in (self.chain(direction, layer) if k is None else self.get(direction, layer, k))]
+        return [s for k in kinds
+                for s in (self.chain(direction, layer, mb) if k is None else self.get(direction, layer, k, mb))]
 
     def forward(self, mb: int, num_layers: int) -> None:
-        self.emit(self.get(F, -1, K.EMBED), mb)
+        self.emit(self.get(F, -1, K.EMBED, mb), mb)
         for layer in range(num_layers):
-            self.emit(self.layer_order(F, layer), mb)
-        self.emit(self.get(F, num_layers, K.HEAD), mb)
+            self.emit(self.layer_order(F, layer, mb), mb)
+        self.emit(self.get(F, num_layers, K.HEAD, mb), mb)
 
     def backward(self, mb: int, num_layers: int, weight_last: bool = False) -> None:
         """What is left of B(mb), in plain order, each wgrad part after the next comm stage
         (``weight_last``: every wgrad part after all of B's input-gradient work)."""
-        order = list(self.get(B, num_layers, K.HEAD))
+        order = list(self.get(B, num_layers, K.HEAD, mb))
         for layer in reversed(range(num_layers)):
-            order += self.layer_order(B, layer)
-        order += self.get(B, -1, K.EMBED)
+            order += self.layer_order(B, layer, mb)
+        order += self.get(B, -1, K.EMBED, mb)
         if weight_last:
             self.emit(order, mb)
             self.emit(self.part(order, Part.WGRAD), mb)
@@ -206,38 +230,38 @@ class _Emitter:
 
     # ---- F(f) ⊗ B(b)
     def merged(self, i: int, f: int, b: int, num_layers: int) -> None:
-        self.emit(self.get(B, num_layers, K.HEAD), b)
+        self.emit(self.get(B, num_layers, K.HEAD, b), b)
         for j in range(num_layers):
             fl, bl = j, num_layers - 1 - j
             # slot 1: B combine || F attn (+ B attn early)
             self.slot = (i, j, 1)
-            self.emit(self.get(B, bl, K.POST), b)
-            self.emit(self.get(F, -1, K.EMBED) if fl == 0 else self.get(F, fl - 1, K.POST), f)
-            self.emit(self.get(F, fl, K.ATTN), f)
+            self.emit(self.get(B, bl, K.POST, b), b)
+            self.emit(self.get(F, -1, K.EMBED, f) if fl == 0 else self.get(F, fl - 1, K.POST, f), f)
+            self.emit(self.get(F, fl, K.ATTN, f), f)
             if j > 0:  # the previous pair's B attn weight-grad fills this B combine
-                self.emit(self.part(self.get(B, bl + 1, K.ATTN), Part.WGRAD), b)
-            self.emit(self.get(B, bl, K.COMBINE), b)
-            self.emit(self.part(self.get(B, bl, K.ATTN), Part.EARLY), b)
+                self.emit(self.part(self.get(B, bl + 1, K.ATTN, b), Part.WGRAD), b)
+            self.emit(self.get(B, bl, K.COMBINE, b), b)
+            self.emit(self.part(self.get(B, bl, K.ATTN, b), Part.EARLY), b)
             # slot 2: F dispatch || B experts (+ F attn side)
             self.slot = (i, j, 2)
-            self.emit(self.get(B, bl, K.EXPERTS) + self.get(B, bl, K.MLP), b)
-            self.emit(self.get(F, fl, K.DISPATCH), f)
-            self.emit(self.part(self.get(F, fl, K.ATTN), Part.SIDE), f)
+            self.emit(self.get(B, bl, K.EXPERTS, b) + self.get(B, bl, K.MLP, b), b)
+            self.emit(self.get(F, fl, K.DISPATCH, f), f)
+            self.emit(self.part(self.get(F, fl, K.ATTN, f), Part.SIDE), f)
             # slot 3: B dispatch || F experts
             self.slot = (i, j, 3)
-            self.emit(self.get(F, fl, K.EXPERTS) + self.get(F, fl, K.MLP), f)
+            self.emit(self.get(F, fl, K.EXPERTS, f) + self.get(F, fl, K.MLP, f), f)
             # B experts' weight-grad fills the B dispatch it no longer delays
-            self.emit(self.part(self.get(B, bl, K.EXPERTS) + self.get(B, bl, K.MLP), Part.WGRAD), b)
-            self.emit(self.get(B, bl, K.DISPATCH), b)
+            self.emit(self.part(self.get(B, bl, K.EXPERTS, b) + self.get(B, bl, K.MLP, b), Part.WGRAD), b)
+            self.emit(self.get(B, bl, K.DISPATCH, b), b)
             # slot 4: F combine || B attn
             self.slot = (i, j, 4)
-            self.emit(self.get(B, bl, K.ATTN), b)
-            self.emit(self.get(F, fl, K.COMBINE), f)
+            self.emit(self.get(B, bl, K.ATTN, b), b)
+            self.emit(self.get(F, fl, K.COMBINE, f), f)
             self.slot = None
-        self.emit(self.get(F, num_layers - 1, K.POST), f)
-        self.emit(self.get(F, num_layers, K.HEAD), f)
-        self.emit(self.part(self.get(B, 0, K.ATTN), Part.WGRAD), b)
-        self.emit(self.get(B, -1, K.EMBED), b)
+        self.emit(self.get(F, num_layers - 1, K.POST, f), f)
+        self.emit(self.get(F, num_layers, K.HEAD, f), f)
+        self.emit(self.part(self.get(B, 0, K.ATTN, b), Part.WGRAD), b)
+        self.emit(self.get(B, -1, K.EMBED, b), b)
         self.backward(b, num_layers)  # anything of B(b) the slots did not place (e.g. fallback stages)
 
 
@@ -251,7 +275,9 @@ def schedule(
         raise ScheduleError("schedule: weight_last is for a one-microbatch program (a pipeline stage's B), "
                             f"not {num_microbatches} microbatches")
     num_layers = capture.num_layers
-    e = _Emitter(stages, capture)
+    # the microbatches with no other beside them run the chunks (where a layer has both)
+    alone = set(range(num_microbatches)) if forward_only else {0, num_microbatches - 1}
+    e = _Emitter(stages, capture, alone)
     for r in stages:
         if r.kind in RECOMPUTE_KINDS:
             readers = [s for s in stages if set(r.outputs) & set(s.inputs)]
@@ -268,7 +294,8 @@ def schedule(
         for mb in range(1, num_microbatches):
             e.forward(mb, num_layers)
     expected = [s for s in stages if not forward_only or s.direction is F]
-    missing = [(s.name, mb) for mb in range(num_microbatches) for s in expected if (s.name, mb) not in e.emitted]
+    missing = [(s.name, mb) for mb in range(num_microbatches) for s in expected
+               if e.runs(s, mb) and (s.name, mb) not in e.emitted]
     if missing:
         raise InternalError(f"schedule: stages never placed: {missing[:5]}")
     _check_draws(e.graph, {s.name: s for s in stages})
