@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.fx
 
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.program import stage_calls
 from fxoverlap.ir.stage import COMM_KINDS, StageKind, StreamKind
 
@@ -21,6 +22,10 @@ COMP, COMM = StreamKind.COMP.value, StreamKind.COMM.value
 _COMM_KIND_NAMES = frozenset(k.value for k in COMM_KINDS)
 
 Interval = tuple[float, float]
+
+
+class ReplayError(FxOverlapError, ValueError):
+    """:func:`simulate_streams` was given a call before a call it reads."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +198,7 @@ def simulate_streams(calls: Sequence[ProgramCall], times: dict[str, float]) -> d
     for c in calls:
         s = COMM if c.stream == COMM else COMP
         if missing := [d for d in c.deps if d not in end]:
-            raise ValueError(f"simulate_streams: {c.name} reads {missing}, not called before it")
+            raise ReplayError(f"simulate_streams: {c.name} reads {missing}, not called before it")
         t0 = max([free[s], *(end[d] for d in c.deps)])
         if t0 > free[s]:
             idle[s][c.name] = t0 - free[s]
