@@ -146,6 +146,14 @@ class OverlapConfig:
             ``False`` (the default): a layer cut into chunks keeps its whole exchange too,
             and the program runs the chunks for microbatches 0 and N-1 (F(0) and B(0),
             F(N-1) and B(N-1)) and the whole exchange for the others.
+        expert_wgrad_slot: with ``delay_wgrad``, the merged-step slot in which B experts'
+            weight-gradient part runs (``passes/schedule.py``): ``3`` (default) under the B
+            dispatch, after F experts; ``2`` under the F dispatch, right after B experts'
+            input-gradient part, so the compute stream fills its wait for the F dispatch with
+            it instead of delaying B attn behind it (issue 24 item 3; docs/benchmarks.md,
+            "where the merged steps lose time": predicted +0.02 of the hidden share at the
+            peer's shape for some weight-gradient shares and -0.03 for others, not measured,
+            so the default stays). No effect without ``delay_wgrad``.
         disable_passes: names of passes to switch off, for debugging (``fxoverlap.passes.PASSES``
             lists them in order, with why each can or cannot be). Switchable: ``"side"`` (as
             ``side_stages=False``), ``"cudagraph"`` (no CUDA graphs), ``"inductor"`` (compute
@@ -174,12 +182,16 @@ class OverlapConfig:
     chunks: int | None = None
     chunks_in_merged_steps: bool = False
     disable_passes: tuple[str, ...] = ()
+    expert_wgrad_slot: int = 3
 
     def __post_init__(self) -> None:
         if self.chunks is not None and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int)
                                         or self.chunks < 1):
             raise ConfigError(f"OverlapConfig.chunks must be an int >= 1 (1: off) or None (chosen per device), "
                               f"got {self.chunks!r}")
+        if self.expert_wgrad_slot not in (2, 3) or isinstance(self.expert_wgrad_slot, bool):
+            raise ConfigError(f"OverlapConfig.expert_wgrad_slot must be 2 (under the F dispatch) or 3 (under the "
+                              f"B dispatch), got {self.expert_wgrad_slot!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ConfigError(f"OverlapConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if self.dispatcher in DEEPEP_DISPATCHERS and (why := deepep_missing(self.dispatcher)) is not None:

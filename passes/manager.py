@@ -176,7 +176,7 @@ def _inductor(st: PassState) -> None:
 
 def _schedule(st: PassState) -> None:
     st.program = schedule(st.stages, st.capture, st.num_microbatches, forward_only=st.forward_only,
-                          weight_last=st.weight_last)
+                          weight_last=st.weight_last, expert_wgrad_slot=st.config.expert_wgrad_slot)
 
 
 def _reduce(st: PassState) -> None:

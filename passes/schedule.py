@@ -28,7 +28,10 @@ Parts (``side``): a forward attn ``side`` part is issued right after its layer's
 dispatch (slot 2), a backward attn ``early`` part right after its layer's backward
 combine (slot 1); both run under that all-to-all, in the merged step as in F(0)
 and B(N-1). With delayed weight-grad, B experts' wgrad joins slot 3 and B attn's
-wgrad joins the next pair's slot 1 (the last pair's runs before B embed).
+wgrad joins the next pair's slot 1 (the last pair's runs before B embed);
+``expert_wgrad_slot=2`` issues B experts' wgrad in slot 2 instead, right after B
+experts and before the F dispatch, so it runs while F experts waits for that dispatch
+rather than between F experts and B attn.
 
 B head opens the merged step; F post of the last layer, F head and B embed close
 it. A dense layer's ``mlp`` takes the experts slot and has no comm slots. A
@@ -75,7 +78,7 @@ Steps
 2. Emit F(0), the merged steps, then B(N-1); each stage call with its sinks.
 3. Check that every stage ran once per microbatch, and the order of random draws.
 
-Entry point: ``schedule(stages, capture, num_microbatches) -> GraphModule``;
+Entry point: ``schedule(stages, capture, num_microbatches, expert_wgrad_slot=3) -> GraphModule``;
 ``schedule(stages, capture, 1, forward_only=True)`` emits the forward alone,
 ``schedule(stages, capture, 1, weight_last=True)`` the weight gradients last.
 """
@@ -134,6 +137,7 @@ class _Emitter:
         self.recompute_for: dict[str, list[Stage]] = {}
         # (merged step, layer pair, slot) of the stages emitted now; None outside slots
         self.slot: tuple[int, int, int] | None = None
+        self.expert_wgrad_slot = 3  # the merged-step slot of B experts' wgrad part (2 or 3)
 
     def get(self, direction: Direction, layer: int, kind: StageKind, mb: int) -> list[Stage]:
         key = (direction, layer, kind)
@@ -245,12 +249,14 @@ class _Emitter:
             # slot 2: F dispatch || B experts (+ F attn side)
             self.slot = (i, j, 2)
             self.emit(self.get(B, bl, K.EXPERTS, b) + self.get(B, bl, K.MLP, b), b)
+            if self.expert_wgrad_slot == 2:  # B experts' weight-grad fills F experts' wait for the F dispatch
+                self.emit(self.part(self.get(B, bl, K.EXPERTS, b) + self.get(B, bl, K.MLP, b), Part.WGRAD), b)
             self.emit(self.get(F, fl, K.DISPATCH, f), f)
             self.emit(self.part(self.get(F, fl, K.ATTN, f), Part.SIDE), f)
             # slot 3: B dispatch || F experts
             self.slot = (i, j, 3)
             self.emit(self.get(F, fl, K.EXPERTS, f) + self.get(F, fl, K.MLP, f), f)
-            # B experts' weight-grad fills the B dispatch it no longer delays
+            # B experts' weight-grad fills the B dispatch it no longer delays (a no-op if slot 2 ran it)
             self.emit(self.part(self.get(B, bl, K.EXPERTS, b) + self.get(B, bl, K.MLP, b), Part.WGRAD), b)
             self.emit(self.get(B, bl, K.DISPATCH, b), b)
             # slot 4: F combine || B attn
@@ -267,17 +273,20 @@ class _Emitter:
 
 def schedule(
     stages: list[Stage], capture: Capture, num_microbatches: int, forward_only: bool = False,
-    weight_last: bool = False,
+    weight_last: bool = False, expert_wgrad_slot: int = 3,
 ) -> torch.fx.GraphModule:
     if num_microbatches < 1:
         raise ScheduleError("schedule: need at least one microbatch")
     if weight_last and num_microbatches != 1:
         raise ScheduleError("schedule: weight_last is for a one-microbatch program (a pipeline stage's B), "
                             f"not {num_microbatches} microbatches")
+    if expert_wgrad_slot not in (2, 3):
+        raise ScheduleError(f"schedule: expert_wgrad_slot is 2 or 3, not {expert_wgrad_slot!r}")
     num_layers = capture.num_layers
     # the microbatches with no other beside them run the chunks (where a layer has both)
     alone = set(range(num_microbatches)) if forward_only else {0, num_microbatches - 1}
     e = _Emitter(stages, capture, alone)
+    e.expert_wgrad_slot = expert_wgrad_slot
     for r in stages:
         if r.kind in RECOMPUTE_KINDS:
             readers = [s for s in stages if set(r.outputs) & set(s.inputs)]

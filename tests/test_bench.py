@@ -16,7 +16,15 @@ import pytest
 from fxoverlap.bench import MODES, parse_args, parse_overlap_config, routing_fields
 from fxoverlap.bench.metrics import (
     ProgramCall,
+    call_record,
+    call_regions,
+    calls_from_records,
     combine_rank_times,
+    exchange_hold_ms,
+    loss_breakdown,
+    program_calls,
+    simulate_streams,
+    slot_sums,
     overlap_efficiency,
     serial_and_bound,
     stream_sums,
@@ -76,6 +84,132 @@ def test_timeline_stats():
     assert (inside, alone) == ({"comp": 7.0, "comm": 5.0}, {"comp": 6.0, "comm": 4.0})
 
 
+def _chain():
+    # F(0)'s attn and dispatch, one slot (B experts after the dispatch | a combine), a drain stage
+    return [
+        ProgramCall("A", "fwd_l0_attn", 0, "comp", None),
+        ProgramCall("D", "fwd_l0_dispatch", 0, "comm", None, ("A",)),
+        ProgramCall("X", "fwd_l0_experts", 0, "comp", (1, 0, 1), ("D",)),
+        ProgramCall("C", "bwd_l0_combine", 0, "comm", (1, 0, 1), ("A",)),
+        ProgramCall("Y", "fwd_l0_post", 0, "comp", None, ("C",)),
+    ]
+
+
+def test_exchange_hold_ms_is_the_emulated_links():
+    from fxoverlap.kernels.emulated_link import Link
+
+    nbytes = 32768 * 4096 * 2  # the peer's shape: seq 4096 x top-8 rows of 4096 bf16
+    assert exchange_hold_ms(nbytes, 100.0, 8) == pytest.approx(0.02 + nbytes * 7 / 8 / 1e11 * 1e3)
+    assert exchange_hold_ms(nbytes, 100.0, 8) == pytest.approx(2.36881, abs=1e-5)
+    assert exchange_hold_ms(nbytes, 45.0, 16, 10.0, 1.3) == pytest.approx(Link(45.0, 10.0, 16, 1.3).seconds(nbytes) * 1e3)
+
+
+def test_simulate_streams_in_order_with_deps():
+    calls = _chain()
+    times = {"A": 1.0, "D": 2.0, "X": 3.0, "C": 2.0, "Y": 1.0}
+    sim = simulate_streams(calls, times)
+    # A 0-1; D 1-3; X waits for D: 3-6; C waits for the comm stream: 3-5; Y after X: 6-7
+    assert sim["start"] == {"A": 0.0, "D": 1.0, "X": 3.0, "C": 3.0, "Y": 6.0}
+    assert sim["step"] == 7.0
+    assert sim["idle"] == {"comp": {"X": 2.0}, "comm": {"D": 1.0}}
+    assert sim["tail"] == {"comp": 0.0, "comm": 2.0}
+    with pytest.raises(ValueError, match="not called before"):
+        simulate_streams(list(reversed(calls)), times)
+
+
+def test_regions_and_slot_sums():
+    assert call_regions(_chain()) == {"A": "fill", "D": "fill", "X": "slot 1", "C": "slot 1", "Y": "drain"}
+    calls = [
+        ProgramCall("X1", "s", 1, "comp", (1, 0, 1)), ProgramCall("C1", "s", 0, "comm", (1, 0, 1)),
+        ProgramCall("H", "s", 1, "comp", None),
+        ProgramCall("X2", "s", 2, "comp", (2, 0, 1)), ProgramCall("C2", "s", 1, "comm", (2, 0, 1)),
+    ]
+    assert call_regions(calls)["H"] == "merged, outside slots"
+    got = slot_sums(calls, {"X1": 3.0, "C1": 2.0, "H": 9.0, "X2": 1.0, "C2": 4.0})
+    assert got == {(0, 1): {"comp": 4.0, "comm": 6.0, "bound": 7.0, "steps": 2}}
+
+
+def test_loss_breakdown_compute_busier():
+    times = {"A": 1.0, "D": 0.0, "X": 3.0, "C": 0.0, "Y": 1.0}
+    br = loss_breakdown(_chain(), times, {"D": 2.0, "C": 2.0})
+    # no link: 5 ms; with it X waits 2 ms for D's hold: 7 ms
+    assert (br["T_compute"], br["T_step"], br["T_comm"]) == (5.0, 7.0, 4.0)
+    assert br["hidden_share"] == pytest.approx((5 + 4 - 7) / 4)
+    assert br["busy_stream"] == "comp"
+    assert {k: v for k, v in br["lost_ms"].items() if v} == {"slot 1": 2.0}
+    assert sum(br["lost_share"].values()) == pytest.approx(1 - br["hidden_share"])
+    assert br["holds_outside_slots"] == 2.0
+    assert br["slot_imbalance"] == 0.0  # one slot: max(3, 2) - max(3, 2)
+
+
+def test_loss_breakdown_comm_busier_counts_its_waits_and_copies():
+    calls = [c for c in _chain() if c.name in ("A", "D")] + [ProgramCall("Y", "p", 0, "comp", None, ("D",))]
+    br = loss_breakdown(calls, {"A": 1.0, "D": 0.5, "Y": 1.0}, {"D": 5.0})
+    # no link: 2.5 ms; with it: D 1-6.5, Y 6.5-7.5; the comm stream waits 1 before D and 1 after it
+    assert (br["T_compute"], br["T_step"], br["T_comm"], br["busy_stream"]) == (2.5, 7.5, 5.0, "comm")
+    assert br["lost_ms"] == {"fill": 1.0, "tail": 1.0, "comm copies": 0.5}
+    assert br["hidden_share"] == pytest.approx(0.0)
+    assert sum(br["lost_share"].values()) == pytest.approx(1.0)
+
+
+def test_program_calls_deps_and_records():
+    import torch.fx
+
+    from fxoverlap.ir.meta import STEP_KEY
+    from fxoverlap.ir.program import Step
+    from fxoverlap.ir.stage import StreamKind
+
+    g = torch.fx.Graph()
+    for name, mb, stream, reads, writes, slot in (
+        ("F0_attn", 0, StreamKind.COMP, ("x",), ("h",), None),
+        ("F1_attn", 1, StreamKind.COMP, ("x",), ("h",), (1, 0, 1)),
+        ("F0_dispatch", 0, StreamKind.COMM, ("h", "x"), ("r",), None),
+        ("F1_dispatch", 1, StreamKind.COMM, ("h",), ("r",), (1, 0, 2)),
+    ):
+        n = g.call_function(print, ())
+        n.name = name
+        n.meta[STEP_KEY] = Step(mb, stream, reads, writes, "stage_" + name.split("_", 1)[1], slot)
+    calls = program_calls(type("P", (), {"graph": g})())
+    assert [c.deps for c in calls] == [(), (), ("F0_attn",), ("F1_attn",)]  # same microbatch only; x is an input
+    assert calls_from_records([call_record(c) for c in calls]) == calls
+
+
+def test_stage_timer_records_what_the_link_held():
+    import torch
+
+    from fxoverlap.bench.probe import StageTimer
+    from fxoverlap.kernels import emulated_link
+
+    timer = StageTimer(False, torch.device("cpu"))
+    node = type("N", (), {"name": "F0_l0_dispatch"})()
+    link = emulated_link.Link(100.0, ep=8)
+    with emulated_link.using(link), emulated_link.standin(emulated_link.Counter()):
+        timer(node, None, lambda: emulated_link.hold("dispatch", 10**9, torch.device("cpu")))
+        timer(type("N", (), {"name": "F0_l0_experts"})(), None, lambda: None)
+    assert timer.holds == {"F0_l0_dispatch": pytest.approx(link.seconds(10**9) * 1e3)}
+    assert set(timer.times) == {"F0_l0_dispatch", "F0_l0_experts"}
+
+
+def test_slot_balance_script_on_a_stored_run(tmp_path):
+    """scripts/slot_balance.py on the stored H200 stage timing (4 microbatches, no link): the program
+    rebuilt on CPU matches the JSON's nodes, and the lost share adds up."""
+    out = tmp_path / "sb.json"
+    src = os.path.join(ROOT, "docs", "gpu_runs_2026-12-01", "chunks", "stage_timing_chunks1.json")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "slot_balance.py"), src,
+                           "--link-gbps", "100", "--ep", "8", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    o = json.loads(out.read_text())
+    br = o["breakdown"]
+    assert o["microbatches"] == 4 and "rebuilt on CPU" in o["calls_from"]
+    # 4 microbatches x 4 layers x 4 exchanges of 32768 rows x 4096 bf16 at 100 GB/s (EP 8, 20 us)
+    assert br["T_comm"] == pytest.approx(64 * 2.36881, rel=1e-4)
+    assert 0.3 < br["hidden_share"] < 0.9
+    assert sum(br["lost_share"].values()) == pytest.approx(1 - br["hidden_share"])
+    assert set(o["slots"]) == {f"{j},{k}" for j in range(4) for k in range(1, 5)}
+    assert "emulated, predicted" in proc.stdout and "| all | 4 | F combine | B attn |" in proc.stdout
+
+
 def test_args():
     a = parse_args([])
     assert (a.seq, a.microbatches, a.micro_batch_size) == (4096, 8, 1)
@@ -107,6 +241,9 @@ def test_bench_cpu_two_ranks(tmp_path):
     assert ts >= tb > 0
     st = r["stage_timing"]
     assert st["slots"] > 0 and st["comm"] > 0 and st["comp"] > 0
+    # every call with its slot and what it reads, for scripts/slot_balance.py
+    assert [c["name"] for c in st["calls"]] == list(st["stage_ms"])
+    assert any(c["slot"] for c in st["calls"]) and any(c["deps"] for c in st["calls"]) and "hold_ms" not in st
     assert r["overlap_efficiency"] is not None and math.isfinite(r["overlap_efficiency"])
     assert list(r["modes"]) == list(MODES)  # every mode by default
     for mode in MODES:

@@ -76,6 +76,20 @@ def test_forward_backward_matches_eager(i, delay_wgrad):
             assert (r["wgrad_stages"] > 0) == delay_wgrad, r
 
 
+def test_expert_wgrad_slot_2_matches_eager():
+    """OverlapConfig(delay_wgrad=True, expert_wgrad_slot=2) (issue 24 item 3's candidate): bitwise
+    eager, with B experts' weight-grad right after B experts in slot 2 of every merged pair."""
+    configs = [dict(), dict(routing="capacity", shared_expert_dim=32, layer_pattern=("moe", "dense"))]
+    for rank_results in _run("expert_wgrad_slot", configs, [1, 3]):
+        assert len(rank_results) == 4
+        for r in rank_results:
+            assert r["losses_equal"] and _ok(r) and r["bitwise"], r
+            layers = sum(p == "moe" for p in r["config"].get("layer_pattern", ("moe", "moe")))
+            assert len(r["placed"]) == (r["n"] - 1) * layers, r  # one per merged step and MoE layer
+            assert all(prev.startswith("bwd_l") and prev.endswith("_experts") and slot == 2
+                       for prev, slot in r["placed"]), r
+
+
 def test_two_calls_accumulate_like_eager():
     for r in _run("two_calls"):
         assert _ok(r) and r["bitwise"], r

@@ -157,6 +157,27 @@ def test_schedule_wgrad_parts():
     ]
 
 
+def test_schedule_expert_wgrad_slot_2():
+    """``expert_wgrad_slot=2``: B experts' weight-grad right after B experts, before the F dispatch,
+    in slot 2; everything else where the default puts it."""
+    stages, cap = model_stages("mm", side=True, early=True, wgrad=True)
+    default, program = schedule(stages, cap, 3), schedule(stages, cap, 3, expert_wgrad_slot=2)
+    calls = _calls(program)
+    names, slot = [c[0] for c in calls], dict(calls)
+    for i, (bl, j) in ((i, lj) for i in (1, 2) for lj in ((1, 0), (0, 1))):
+        b, f = i - 1, i
+        at = names.index(f"B{b}_l{bl}_experts")
+        assert names[at:at + 3] == [f"B{b}_l{bl}_experts", f"B{b}_l{bl}_experts_wgrad", f"F{f}_l{j}_dispatch"]
+        assert slot[f"B{b}_l{bl}_experts_wgrad"] == (i, j, 2)
+    # the rest of the order is the default's: the same list with the moved parts taken out
+    moved = {n for n in names if "_experts_wgrad" in n and slot[n] is not None}
+    assert [n for n in names if n not in moved] == [n for n in _names(default) if n not in moved]
+    assert sorted(names) == sorted(_names(default))
+    check_dataflow(program, stages, 3)
+    with pytest.raises(ValueError, match="expert_wgrad_slot"):
+        schedule(stages, cap, 3, expert_wgrad_slot=4)
+
+
 def test_schedule_dense_layer_takes_the_experts_slot():
     stages, cap = model_stages("dm")
     slot = dict(_calls(schedule(stages, cap, 2)))

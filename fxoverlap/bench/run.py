@@ -21,6 +21,7 @@ import torch.distributed as dist
 import fxoverlap
 from fxoverlap.bench.cli import FORWARD_MODES, model_config, parse_args
 from fxoverlap.bench.metrics import (
+    call_record,
     combine_rank_times,
     overlap_efficiency,
     program_calls,
@@ -246,6 +247,7 @@ class Bench:
         plan = self.engine.plan(self.mbs)
         calls = program_calls(plan.program)
         reps: list[dict[str, float]] = []
+        holds: dict[str, float] = {}
         # One run first that is not counted: the first stage-timed run on a GPU was
         # seen 4x slower than the next for a small shape (allocator, new streams).
         for r in range(-1, self.args.stage_reps):
@@ -258,6 +260,7 @@ class Bench:
             self.log(f"stage timing {label}: {sum(timer.times.values()):.1f} ms serial")
             if r >= 0:
                 reps.append(timer.times)
+                holds = timer.holds
         mine = {c.name: statistics.median(rep[c.name] for rep in reps) for c in calls}
         per_rank = self.gather(mine)
         combined = combine_rank_times(calls, per_rank)
@@ -265,6 +268,10 @@ class Bench:
         out["per_rank"] = [serial_and_bound(calls, t) for t in per_rank]
         out["stage_ms"] = combined
         out["stage_ms_per_rank"] = per_rank
+        # the program's calls (slot, stream, what each reads), for scripts/slot_balance.py
+        out["calls"] = [call_record(c) for c in calls]
+        if holds:  # with an emulated link: what it held each comm call for (this rank), inside stage_ms
+            out["hold_ms"] = holds
         return out
 
     # -- one probed step: timeline and trace

@@ -59,6 +59,33 @@ def interleaved(rank: int, world: int, configs: list[dict], ns: list[int], delay
     return out
 
 
+def expert_wgrad_slot(rank: int, world: int, configs: list[dict], ns: list[int]) -> list[dict]:
+    """delay_wgrad with ``expert_wgrad_slot=2``: forward_backward equals eager, and in every merged
+    step B experts' weight-grad is the call right after B experts, in slot 2."""
+    from fxoverlap.ir.program import stage_calls
+
+    out = []
+    for kw in configs:
+        torch.manual_seed(0)
+        cfg = MoEConfig.tiny(**kw)
+        model = MoETransformer(cfg, dist.group.WORLD)
+        engine = fxoverlap.optimize(model, dist.group.WORLD,
+                                    fxoverlap.OverlapConfig(delay_wgrad=True, expert_wgrad_slot=2))
+        for n in ns:
+            mbs = make_batches(rank, cfg.vocab_size, n, seed=n)
+            ref_losses, ref = eager_grads(model, mbs)
+            losses = engine.forward_backward(mbs)
+            diff, scale, bitwise = grad_diff(model, ref)
+            model.zero_grad(set_to_none=True)
+            calls = [(node.name, st.stage, st.slot) for node, st in stage_calls(engine.program)]
+            placed = [(calls[i - 1][1], c[2][2]) for i, c in enumerate(calls)
+                      if c[2] is not None and c[1].endswith("_experts_wgrad")]
+            out.append(dict(config=kw, n=n, losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
+                            diff=diff, scale=scale, bitwise=bitwise, placed=placed))
+        engine.close()
+    return out
+
+
 def two_calls(rank: int, world: int) -> dict:
     """Two consecutive forward_backward calls accumulate like two eager rounds."""
     torch.manual_seed(0)
