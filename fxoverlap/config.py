@@ -17,6 +17,9 @@ DISPATCHERS = ("auto", "all_to_all", "padded", "symm_mem", *DEEPEP_DISPATCHERS)
 GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
 # OverlapConfig(chunks=None) on CUDA (docs/benchmarks.md, "Chunks", has the measurement behind it).
 DEFAULT_CUDA_CHUNKS = 2
+# OverlapConfig(delay_wgrad=None) on CUDA: measured 2-4 % faster steps with the weight gradients
+# split off (expert_wgrad_slot=2), docs/benchmarks.md "where the merged steps lose time".
+DEFAULT_CUDA_DELAY_WGRAD = True
 
 
 class ConfigError(FxOverlapError, ValueError):
@@ -79,8 +82,10 @@ class OverlapConfig:
             own kernels on an internal stream: give that one priority with
             ``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` when creating
             the EP group (``python -m fxoverlap.bench`` does; see docs/benchmarks.md).
-        delay_wgrad: split backward expert stages into input-grad and weight-grad
-            parts and run the weight-grad part after the comm slot it can fill.
+        delay_wgrad: split each backward attn/experts/MLP stage into its input-gradient
+            and weight-gradient parts and run the weight-gradient part where it fills an
+            exchange's time (``passes/schedule.py``). ``None`` (default):
+            :data:`DEFAULT_CUDA_DELAY_WGRAD` on CUDA, off on CPU (where nothing overlaps).
         free_early: insert early-free nodes so each value is dropped at its last use.
         cuda_graphs: run capturable compute stages as CUDA graphs (GPU only).
             ``None`` (default): on CUDA, unless a graph would copy in a value over
@@ -147,13 +152,13 @@ class OverlapConfig:
             and the program runs the chunks for microbatches 0 and N-1 (F(0) and B(0),
             F(N-1) and B(N-1)) and the whole exchange for the others.
         expert_wgrad_slot: with ``delay_wgrad``, the merged-step slot in which B experts'
-            weight-gradient part runs (``passes/schedule.py``): ``3`` (default) under the B
-            dispatch, after F experts; ``2`` under the F dispatch, right after B experts'
-            input-gradient part, so the compute stream fills its wait for the F dispatch with
-            it instead of delaying B attn behind it (issue 24 item 3; docs/benchmarks.md,
-            "where the merged steps lose time": predicted +0.02 of the hidden share at the
-            peer's shape for some weight-gradient shares and -0.03 for others, not measured,
-            so the default stays). No effect without ``delay_wgrad``.
+            weight-gradient part runs (``passes/schedule.py``): ``2`` (default) under the F
+            dispatch, right after B experts' input-gradient part, so the compute stream fills
+            its wait for the F dispatch with it instead of delaying B attn behind it; ``3``
+            under the B dispatch, after F experts. Measured (one H200, emulated EP 8 at 100
+            GB/s, the peer's shape, docs/benchmarks.md "where the merged steps lose time"):
+            slot 2 takes 2-3 % off the step at 8 and 16 microbatches. No effect without
+            ``delay_wgrad``.
         disable_passes: names of passes to switch off, for debugging (``fxoverlap.passes.PASSES``
             lists them in order, with why each can or cannot be). Switchable: ``"side"`` (as
             ``side_stages=False``), ``"cudagraph"`` (no CUDA graphs), ``"inductor"`` (compute
@@ -168,7 +173,7 @@ class OverlapConfig:
     layer_container: str | None = None
     side_stages: bool = True
     comm_stream_priority: int = -1
-    delay_wgrad: bool = False
+    delay_wgrad: bool | None = None
     free_early: bool = True
     cuda_graphs: bool | None = None
     mhc_recompute_group: int | None = None
@@ -182,7 +187,7 @@ class OverlapConfig:
     chunks: int | None = None
     chunks_in_merged_steps: bool = False
     disable_passes: tuple[str, ...] = ()
-    expert_wgrad_slot: int = 3
+    expert_wgrad_slot: int = 2
 
     def __post_init__(self) -> None:
         if self.chunks is not None and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int)
@@ -222,6 +227,12 @@ class OverlapConfig:
         if self.chunks is not None:
             return self.chunks
         return DEFAULT_CUDA_CHUNKS if device_type == "cuda" else 1
+
+    def resolved_delay_wgrad(self, device_type: str) -> bool:
+        """Whether the backward's weight gradients are split off on ``device_type``."""
+        if self.delay_wgrad is not None:
+            return self.delay_wgrad
+        return DEFAULT_CUDA_DELAY_WGRAD and device_type == "cuda"
 
     def resolved_compiler(self, device_type: str) -> str:
         """The compiler for a model whose parameters live on ``device_type``."""

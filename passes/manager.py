@@ -153,7 +153,7 @@ def _recompute(st: PassState) -> None:
 
 
 def _split(st: PassState) -> None:
-    delay = st.config.delay_wgrad and st.train
+    delay = st.config.resolved_delay_wgrad(st.device_type) and st.train
     st.stages = split(st.graph, st.capture.num_layers, delay_wgrad=delay)
     if st.whole_graph is not None:
         whole = split(st.whole_graph, st.capture.num_layers, delay_wgrad=delay)
