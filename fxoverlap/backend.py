@@ -809,6 +809,9 @@ UNSUPPORTED_FIELDS = {
     "reduce_bucket_mb": "the backend reduces no gradients over data parallelism (optimize(..., dp_group=...) does)",
     "dispatch_capacity_factor": "it needs a check of the overflow flags after each step, which "
                                 "fxoverlap.optimize makes and the backend does not",
+    "chunks_in_merged_steps": "the backend runs one microbatch per call, so its program has no merged steps "
+                              "(its layers run the chunks anyway)",
+    "expert_wgrad_slot": "the backend runs one microbatch per call, so its program has no merged steps",
 }
 
 
@@ -829,8 +832,8 @@ def backend_config(options: dict | None = None, mode: str | None = None, **kwarg
     (``compile_options``), as ``torch.compile(options=...)`` passes them to Inductor. Any other
     key raises :class:`~fxoverlap.config.ConfigError` naming it and its close matches, as does a
     field the backend cannot honour (:data:`UNSUPPORTED_FIELDS`: ``record_memory``,
-    ``grad_reduce``, ``reduce_bucket_mb``, ``dispatch_capacity_factor``; use
-    ``fxoverlap.optimize`` for them). ``mode="reduce-overhead"``
+    ``grad_reduce``, ``reduce_bucket_mb``, ``dispatch_capacity_factor``, and the merged steps'
+    ``chunks_in_merged_steps`` and ``expert_wgrad_slot``; use ``fxoverlap.optimize`` for them). ``mode="reduce-overhead"``
     turns on CUDA graphs; ``mode="max-autotune"`` Inductor's autotuning.
     """
     fields = {f.name: f for f in dataclasses.fields(OverlapConfig)}

@@ -376,3 +376,27 @@ def test_backend_falls_back_on_an_op_without_a_derivative():
     with pytest.warns(fxb.FallbackWarning, match="NotImplementedError: the derivative for '_unique2'"):
         torch.compile(model, backend="fxoverlap")(torch.randn(4, 8))  # (its backward fails in eager too)
     torch._dynamo.reset()
+
+
+def test_backend_refuses_merged_step_options():
+    """The backend's program has one microbatch: options that only shape the merged steps are
+    refused with the reason, not silently ignored; their defaults pass."""
+    import fxoverlap.backend as fxb
+
+    for bad in ({"expert_wgrad_slot": 3}, {"chunks_in_merged_steps": True}):
+        with pytest.raises(fxoverlap.ConfigError, match="no merged steps"):
+            fxb.backend_config(bad)
+    assert fxb.backend_config({"expert_wgrad_slot": 2}).expert_wgrad_slot == 2
+    with pytest.raises(fxoverlap.ConfigError, match="expert_wgrad_slot"):
+        fxoverlap.OverlapConfig(expert_wgrad_slot=4)
+
+
+def test_per_device_defaults():
+    """``None`` fields resolve per device: CPU keeps the bitwise-eager program (no chunks, no
+    delayed weight gradients), CUDA gets the measured defaults (docs/benchmarks.md, 2026-12-02)."""
+    from fxoverlap.config import DEFAULT_CUDA_CHUNKS, DEFAULT_CUDA_DELAY_WGRAD
+
+    cfg = fxoverlap.OverlapConfig()
+    assert cfg.resolved_chunks("cpu") == 1 and cfg.resolved_delay_wgrad("cpu") is False
+    assert cfg.resolved_chunks("cuda") == DEFAULT_CUDA_CHUNKS and cfg.resolved_delay_wgrad("cuda") is DEFAULT_CUDA_DELAY_WGRAD
+    assert fxoverlap.OverlapConfig(delay_wgrad=False).resolved_delay_wgrad("cuda") is False
