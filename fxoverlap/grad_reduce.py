@@ -39,7 +39,8 @@ from fxoverlap.ir.errors import FxOverlapError
 
 class GradReduceConfigError(FxOverlapError, ValueError):
     """The groups or parameters given for data parallelism (``optimize(..., dp_group=...,
-    expert_dp_group=...)``, ``OverlapConfig.grad_reduce``) do not fit together; the message says how."""
+    expert_dp_group=...)``, ``pipeline_schedule(..., dp_group=..., expert_dp_group=...)``,
+    ``OverlapConfig.grad_reduce``) do not fit together; the message says how."""
 
 
 class GradReduceError(FxOverlapError, RuntimeError):
@@ -74,10 +75,10 @@ class ReduceGroups:
         return len(self.dp_ranks)
 
 
-def _ranks(group: dist.ProcessGroup, name: str) -> tuple[int, ...]:
+def _ranks(group: dist.ProcessGroup, name: str, caller: str = "fxoverlap.optimize") -> tuple[int, ...]:
     if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
         raise GradReduceConfigError(
-            f"fxoverlap.optimize: rank {dist.get_rank()} is not a member of {name} (a rank outside "
+            f"{caller}: rank {dist.get_rank()} is not a member of {name} (a rank outside "
             f"the ranks given to dist.new_group gets a placeholder, not a group); pass each rank "
             f"the {name} it belongs to"
         )
@@ -88,9 +89,11 @@ def check_groups(
     ep_group: dist.ProcessGroup | None,
     dp_group: dist.ProcessGroup | None,
     expert_dp_group: dist.ProcessGroup | None,
+    caller: str = "fxoverlap.optimize",
 ) -> ReduceGroups | None:
     """Check the groups against each other on this rank, with no communication; None
-    when there is no data parallelism (no ``dp_group``).
+    when there is no data parallelism (no ``dp_group``). ``caller`` starts each error's
+    message (``fxoverlap.optimize``, ``fxoverlap.pipeline_schedule``).
 
     ``|dp_group|`` must divide the world, ``ep_group`` and ``expert_dp_group`` lie in
     ``dp_group`` with ``|dp_group| = |ep_group| · |expert_dp_group|``, and the two meet
@@ -99,22 +102,23 @@ def check_groups(
     """
     if dp_group is None:
         if expert_dp_group is not None:
-            raise GradReduceConfigError("fxoverlap.optimize: expert_dp_group needs dp_group (the ranks over which "
-                             "the non-expert parameters are replicated, usually dist.group.WORLD)")
+            raise GradReduceConfigError(f"{caller}: expert_dp_group needs dp_group (the ranks over which the "
+                                        f"non-expert parameters are replicated: dist.group.WORLD without "
+                                        f"pipeline parallelism)")
         return None
     if not dist.is_initialized():
-        raise GradReduceConfigError("fxoverlap.optimize: dp_group given but torch.distributed is not initialized")
+        raise GradReduceConfigError(f"{caller}: dp_group given but torch.distributed is not initialized")
     me, world = dist.get_rank(), dist.get_world_size()
-    dp = _ranks(dp_group, "dp_group")
+    dp = _ranks(dp_group, "dp_group", caller)
     if world % len(dp):
-        raise GradReduceConfigError(f"fxoverlap.optimize: dp_group has {len(dp)} ranks {list(dp)}, which does not "
+        raise GradReduceConfigError(f"{caller}: dp_group has {len(dp)} ranks {list(dp)}, which does not "
                          f"divide the world of {world} ranks")
-    ep = (me,) if ep_group is None else _ranks(ep_group, "ep_group")
+    ep = (me,) if ep_group is None else _ranks(ep_group, "ep_group", caller)
     if not set(ep) <= set(dp):
-        raise GradReduceConfigError(f"fxoverlap.optimize: ep_group {list(ep)} is not inside dp_group {list(dp)}; expert "
+        raise GradReduceConfigError(f"{caller}: ep_group {list(ep)} is not inside dp_group {list(dp)}; expert "
                          f"parallelism runs inside data parallelism")
     if len(dp) % len(ep):
-        raise GradReduceConfigError(f"fxoverlap.optimize: ep_group has {len(ep)} ranks, which does not divide "
+        raise GradReduceConfigError(f"{caller}: ep_group has {len(ep)} ranks, which does not divide "
                          f"dp_group's {len(dp)}")
     want = len(dp) // len(ep)
     if expert_dp_group is None:
@@ -123,21 +127,21 @@ def check_groups(
         if want == 1:
             return ReduceGroups(dp_group, None, dp, (me,))
         raise GradReduceConfigError(
-            f"fxoverlap.optimize: with ep_group of {len(ep)} and dp_group of {len(dp)} ranks, pass "
+            f"{caller}: with ep_group of {len(ep)} and dp_group of {len(dp)} ranks, pass "
             f"expert_dp_group: the {want} ranks that hold the same experts as rank {me} (the same EP "
             f"index), e.g. init_device_mesh(device, ({want}, {len(ep)}), mesh_dim_names=('edp', 'ep'))"
             f"['edp'].get_group()"
         )
-    edp = _ranks(expert_dp_group, "expert_dp_group")
+    edp = _ranks(expert_dp_group, "expert_dp_group", caller)
     if len(edp) != want:
         raise GradReduceConfigError(
-            f"fxoverlap.optimize: expert_dp_group has {len(edp)} ranks {list(edp)}, but |dp_group| / "
+            f"{caller}: expert_dp_group has {len(edp)} ranks {list(edp)}, but |dp_group| / "
             f"|ep_group| = {len(dp)} / {len(ep)} = {want}: each rank's experts are replicated on one "
             f"rank of every EP group"
         )
     if not set(edp) <= set(dp) or set(edp) & set(ep) != {me}:
         raise GradReduceConfigError(
-            f"fxoverlap.optimize: expert_dp_group {list(edp)} must lie in dp_group {list(dp)} and meet "
+            f"{caller}: expert_dp_group {list(edp)} must lie in dp_group {list(dp)} and meet "
             f"ep_group {list(ep)} in rank {me} only (its ranks hold rank {me}'s experts, one per EP group)"
         )
     return ReduceGroups(dp_group, None if len(edp) == 1 else expert_dp_group, dp, edp)
@@ -359,22 +363,23 @@ class GradAllReduce:
     the reduction nodes ``passes/reduce.py`` places. :meth:`start` packs the gradients into flat
     buckets (per dtype and device, in reverse parameter order, each closed once it holds
     ``bucket_bytes``) and issues an asynchronous ``all_reduce`` of each; :meth:`finish` waits,
-    divides by the group size and copies the averages into ``p.grad``. A parameter without a
-    gradient counts as zeros (and gets the average), so every rank of the group reduces the
-    same buckets; the ranks must hold the same parameters in the same order.
+    divides by ``divisor`` (the group size by default) and copies the results into ``p.grad``.
+    ``group=None``: this rank alone (no collective; the gradients are only divided: the
+    expert parameters of a rank whose experts no other rank holds, divided by ``|dp_group|``).
+    A parameter without a gradient counts as zeros (and gets the average), so every rank of the
+    group reduces the same buckets; the ranks must hold the same parameters in the same order.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int):
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, bucket_bytes: int,
+                 divisor: int | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.group = group
-        self.size = dist.get_world_size(group)
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.divisor = self.size if divisor is None else divisor
         self.bucket_bytes = bucket_bytes
         self.steps = 0  # reductions finished
-        self._pending: list[tuple[object, torch.Tensor, list[nn.Parameter]]] = []
-
-    @property
-    def started(self) -> bool:
-        return bool(self._pending)
+        self.started = False  # start() ran in this step, finish() not yet
+        self._pending: list[tuple[object | None, torch.Tensor, list[nn.Parameter]]] = []
 
     def buckets(self) -> list[list[nn.Parameter]]:
         """The parameters of each bucket, in the order the buckets are issued."""
@@ -391,20 +396,24 @@ class GradAllReduce:
 
     def start(self) -> None:
         """Issue the all-reduce of every bucket (asynchronous)."""
-        if self._pending:
+        if self.started:
             raise GradReduceError("fxoverlap: a data-parallel gradient reduction was started twice in one step")
+        self.started = True
         with torch.no_grad():
             for ps in self.buckets():
                 flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
-                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                work = None
+                if self.group is not None and self.size > 1:
+                    work = dist.all_reduce(flat, group=self.group, async_op=True)
                 self._pending.append((work, flat, ps))
 
     def finish(self) -> None:
-        """Wait for every bucket, divide by the group size, copy into ``p.grad``."""
+        """Wait for every bucket, divide by ``divisor``, copy into ``p.grad``."""
         with torch.no_grad():
             for work, flat, ps in self._pending:
-                work.wait()
-                flat.div_(self.size)
+                if work is not None:
+                    work.wait()
+                flat.div_(self.divisor)
                 offset = 0
                 for p in ps:
                     g = flat[offset:offset + p.numel()].view_as(p)
@@ -414,5 +423,5 @@ class GradAllReduce:
                     else:
                         p.grad.copy_(g)
         self._pending = []
+        self.started = False
         self.steps += 1
-

@@ -104,6 +104,65 @@ def _is_multi_stage(cls: type) -> bool:
     return issubclass(cls, PipelineScheduleMulti)
 
 
+class _StageReduction:
+    """``pipeline_schedule(dp_group=..., expert_dp_group=...)``: the data-parallel reduction of
+    one stage's gradients, as ``fxoverlap.optimize`` reduces them (``grad_reduce`` module doc):
+    dense parameters summed over ``dp_group``, expert parameters over ``expert_dp_group``
+    (nothing to sum where it is this rank alone), each divided by ``|dp_group|``. Which
+    parameters are expert comes from the stage's compiled graphs
+    (:meth:`_StageCompiler.expert_parameters`), so the reducers, one
+    :class:`~fxoverlap.grad_reduce.GradAllReduce` per group (the roles of one group share
+    it: with EP 1, one), are built at the first :meth:`start`, when every graph of the stage
+    has been compiled (its first step's backwards have run)."""
+
+    def __init__(self, compiler: _StageCompiler, groups, bucket_bytes: int):
+        self.compiler, self.groups, self.bucket_bytes = compiler, groups, bucket_bytes
+        self.reducers: list | None = None  # grad_reduce.GradAllReduce, once built
+        self.roles: dict[str, str] = {}  # parameter name (in the stage module) -> "dense" / "expert"
+        self.started = False
+        self._graphs = 0  # the stage's compiled graphs the roles were read from
+
+    def _build(self) -> None:
+        from fxoverlap.grad_reduce import GradAllReduce
+
+        expert = self.compiler.expert_parameters()
+        roles = {name: "expert" if id(p) in expert else "dense"
+                 for name, p in self.compiler.module.named_parameters()}
+        if self.reducers is not None:
+            if roles != self.roles:  # a graph compiled after the first step changed a role
+                changed = sorted(k for k in roles if roles[k] != self.roles.get(k))
+                raise PipelineError(
+                    f"pipeline stage {self.compiler.stage.stage_index}: a graph compiled after the first step "
+                    f"reads parameters {changed[:5]} in another role (expert or dense) than the first step's "
+                    f"graphs; their gradients reduce over the group the first step chose")
+            self._graphs = len(self.compiler.steps)
+            return
+        by_group: dict[int | None, tuple] = {}
+        for name, p in self.compiler.module.named_parameters():
+            group, _ = self.groups.of(roles[name])
+            by_group.setdefault(None if group is None else id(group), (group, []))[1].append(p)
+        self.reducers = [GradAllReduce(ps, group, self.bucket_bytes, divisor=self.groups.dp_size)
+                         for group, ps in by_group.values()]
+        self.roles, self._graphs = roles, len(self.compiler.steps)
+
+    def buckets(self) -> list[list[nn.Parameter]]:
+        """The parameters of each bucket of every reducer, in the order they are issued."""
+        return [b for r in self.reducers or () for b in r.buckets()]
+
+    def start(self) -> None:
+        """Issue every reducer's all-reduces (after the stage's last backward of the step)."""
+        if self.reducers is None or self._graphs != len(self.compiler.steps):
+            self._build()
+        self.started = True
+        for r in self.reducers:
+            r.start()
+
+    def finish(self) -> None:
+        for r in self.reducers:
+            r.finish()
+        self.started = False
+
+
 class _StageCompiler:
     """One local ``PipelineStage``: its module compiled by fxoverlap's backend (on the first
     call, as torch.compile does), the compiled steps it built, and the stage's forward."""
@@ -113,13 +172,16 @@ class _StageCompiler:
         self.config = config
         self.registry = registry
         self.steps: list = []  # backend.CompiledStep, one per Dynamo graph of the stage module
+        # (dp_group) for each of steps: its graph inputs that are parameters of the stage module
+        # (Dynamo passes the parameter objects), by input index; whose roles the reduction reads
+        self.graph_params: list[dict[int, nn.Parameter]] = []
         self.forward_calls = 0  # F steps run (each a call of the compiled stage module)
         self.backwards = 0  # backwards of this stage run in this step (through autograd or merged)
         self.n_microbatches = 0  # set by pipeline_schedule
         # pipeline_schedule(dp_group=...): the stage's gradients averaged over the DP group,
         # issued after its last backward, finished at the end of the step, where pipelining's
         # gradient scaling (deferred to then: scale_factor) follows
-        self.reducer = None  # grad_reduce.GradAllReduce
+        self.reducer: _StageReduction | None = None
         self.scale_factor: int | None = None
         # (forward?, microbatch) of the sends an OVERLAP_F_B step issued early (_EarlySends);
         # the schedule's own SEND_F / SEND_B action for them finds no ops left
@@ -138,6 +200,9 @@ class _StageCompiler:
         where = f"pipeline stage {self.stage.stage_index} ({type(self.module).__name__})"
         if not torch.is_grad_enabled():  # eval(): nothing to overlap with
             return gm.forward
+        if self.reducer is not None:
+            own = {id(p) for p in self.module.parameters()}
+            params = {i: t for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter) and id(t) in own}
         example_inputs, unwrapped = _unwrap_dtensor_inputs(gm, list(example_inputs), where)
         try:
             step = fxb.compile_step(gm, example_inputs, self.config, weight_last=self.weight_last)
@@ -152,8 +217,24 @@ class _StageCompiler:
                 f"names), or name the container with OverlapConfig(layer_container='...')")
         step.keep_args = True  # for OVERLAP_F_B's backward outside autograd (backward_in_turns)
         self.steps.append(step)
+        if self.reducer is not None:
+            self.graph_params.append(params)
         self.registry.setdefault(self.stage.stage_index, []).extend(step.stages)
         return _LocalShards(step, unwrapped) if unwrapped else step
+
+    def expert_parameters(self) -> set[int]:
+        """The ids of the stage module's parameters that are ``"expert"`` in every compiled
+        graph that reads them (``passes/reduce.py: parameter_roles``: only experts stages read
+        them); a parameter no graph reads is not among them (it counts as dense)."""
+        from fxoverlap.passes.reduce import parameter_roles
+
+        roles: dict[int, set[str]] = {}
+        for step, params in zip(self.steps, self.graph_params):
+            for name, role in parameter_roles(step.capture).items():
+                p = params.get(step._index_of.get(name, -1))
+                if p is not None:
+                    roles.setdefault(id(p), set()).add(role)
+        return {i for i, r in roles.items() if r == {"expert"}}
 
     def weight_step(self) -> Callable[[], None]:
         """pipelining's ``dw_builder``: the ``BACKWARD_WEIGHT`` of the ``BACKWARD_INPUT`` that just
@@ -701,7 +782,8 @@ def _schedule_class(cls: type) -> type:
 
 def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_fn: Callable | None = None,
                       ep_group: dist.ProcessGroup | None = None, config: OverlapConfig | None = None,
-                      merge: bool = True, dp_group: dist.ProcessGroup | None = None, **schedule_kwargs: Any):
+                      merge: bool = True, dp_group: dist.ProcessGroup | None = None,
+                      expert_dp_group: dist.ProcessGroup | None = None, **schedule_kwargs: Any):
     """A ``torch.distributed.pipelining`` schedule whose F and B steps run as fxoverlap programs.
 
     ``schedule_cls`` is the pipelining schedule class, ``stages`` what it takes (one
@@ -710,11 +792,19 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     target)`` and ``schedule_kwargs`` (``scale_grads``, chunk specs, ...) are passed on to
     it. ``merge=False`` runs each ``OVERLAP_F_B`` as F then B (for comparison). ``ep_group`` is the expert-parallel group of the stage modules' MoE layers (checked;
     the layers hold it themselves); ``config`` the :class:`OverlapConfig` of every stage.
-    ``dp_group``: data parallelism; each stage's gradients are averaged over it, the
-    reduction issued (asynchronously, in flat buckets of ``config.reduce_bucket_mb``) right
-    after the stage's last backward of the step and finished at the end of the step, before
-    pipelining's gradient scaling. Its ranks are this rank's DP peers, which hold the same
-    stages (one rank of each PP group); EP 1 only, plain (not DDP-wrapped) stage modules.
+    ``dp_group`` / ``expert_dp_group``: data parallelism, as ``fxoverlap.optimize`` takes them
+    (``fxoverlap.grad_reduce``): ``dp_group`` holds the ranks over which the dense parameters
+    are replicated (they hold the same stages as this rank, so it meets this rank's pipeline
+    group in this rank only; it contains this rank's EP group, whose ranks see different
+    tokens), ``expert_dp_group`` the ranks that hold
+    this rank's experts (one per EP group; ``None``: ``dp_group`` with EP 1, this rank alone
+    when ``ep_group`` is all of ``dp_group``). Dense gradients are summed over ``dp_group``,
+    expert ones over ``expert_dp_group``, both divided by ``|dp_group|``. A parameter is expert
+    when only experts stages of the stage's compiled graphs read it (known after its first
+    compile). The reduction is issued (asynchronously, in flat buckets of
+    ``config.reduce_bucket_mb``) right after the stage's last backward of the step and finished
+    at the end of the step, before pipelining's gradient scaling. Plain (not DDP-wrapped)
+    stage modules without DTensor parameters.
 
     Returns an instance of a subclass of ``schedule_cls`` (of the same name; it keeps
     ``step``'s ``return_outputs`` and ``loss_kwargs`` for the ``OVERLAP_F_B`` function): ``schedule.step(x, target=y, losses=losses)`` as
@@ -730,8 +820,12 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
             f"yet (docs/pipeline_parallel.md)")
     if ep_group is not None and not isinstance(ep_group, dist.ProcessGroup):
         raise PipelineInputError(f"ep_group must be a torch.distributed ProcessGroup or None, got {type(ep_group).__name__}")
-    if dp_group is not None and not isinstance(dp_group, dist.ProcessGroup):
-        raise PipelineInputError(f"dp_group must be a torch.distributed ProcessGroup or None, got {type(dp_group).__name__}")
+    for name, group in (("dp_group", dp_group), ("expert_dp_group", expert_dp_group)):
+        # a rank outside a new_group's ranks gets a placeholder: grad_reduce.check_groups says so
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and \
+                not isinstance(group, dist.ProcessGroup):
+            raise PipelineInputError(f"{name} must be a torch.distributed ProcessGroup or None, got "
+                                     f"{type(group).__name__}")
     config = config or OverlapConfig()
     from fxoverlap.backend import UNSUPPORTED_FIELDS
 
@@ -747,8 +841,9 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     local = list(stages) if isinstance(stages, (list, tuple)) else [stages]
     if not multi and isinstance(stages, (list, tuple)):
         raise PipelineInputError(f"{schedule_cls.__name__} takes one PipelineStage, got a {type(stages).__name__}")
-    if dp_group is not None:
-        _check_dp(local, dp_group, ep_group, config)
+    groups = None
+    if dp_group is not None or expert_dp_group is not None:
+        groups = _check_dp(local, dp_group, ep_group, expert_dp_group, config)
     from torch.distributed.fsdp import FSDPModule
 
     if fsdp := [st.stage_index for st in local if isinstance(st.submod, FSDPModule)]:
@@ -760,11 +855,8 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
         compiler = _StageCompiler(st, config, registry)
         compiler.n_microbatches = n_microbatches
         compiler.weight_last = weight_last
-        if dp_group is not None:
-            from fxoverlap.grad_reduce import GradAllReduce
-
-            compiler.reducer = GradAllReduce(list(st.submod.parameters()), dp_group,
-                                             int(config.reduce_bucket_mb * 2**20))
+        if groups is not None:
+            compiler.reducer = _StageReduction(compiler, groups, int(config.reduce_bucket_mb * 2**20))
         _install(st, compiler)
     schedule = _schedule_class(schedule_cls)(stages, n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
     if multi:
@@ -777,26 +869,24 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     schedule.fxoverlap_merge = merge
     schedule.fxoverlap_ep_group = ep_group
     schedule.fxoverlap_dp_group = dp_group
+    schedule.fxoverlap_expert_dp_group = expert_dp_group
     schedule.fxoverlap_config = config
     return schedule
 
 
-def _check_dp(stages: list, dp_group: dist.ProcessGroup, ep_group: dist.ProcessGroup | None,
-              config: OverlapConfig) -> None:
-    """What ``pipeline_schedule(..., dp_group=...)`` needs of the stages and groups, checked
-    on this rank without communication."""
+def _check_dp(stages: list, dp_group: dist.ProcessGroup | None, ep_group: dist.ProcessGroup | None,
+              expert_dp_group: dist.ProcessGroup | None, config: OverlapConfig):
+    """What ``pipeline_schedule(..., dp_group=..., expert_dp_group=...)`` needs of the stages
+    and groups, checked on this rank without communication: the groups as ``fxoverlap.optimize``
+    checks them (``grad_reduce.check_groups``), then what pipelining adds. Returns the
+    ``grad_reduce.ReduceGroups``."""
     from torch.distributed.tensor import DTensor
 
+    from fxoverlap.grad_reduce import check_groups
+
+    groups = check_groups(ep_group, dp_group, expert_dp_group, caller="fxoverlap.pipeline_schedule")
     me = dist.get_rank()
-    if dist.get_rank(dp_group) < 0:
-        raise PipelineInputError(f"dp_group: rank {me} is not a member of it (a rank outside the ranks given to "
-                                 f"dist.new_group gets a placeholder); pass each rank the DP group it belongs to")
-    dp = set(dist.get_process_group_ranks(dp_group))
-    if ep_group is not None and dist.get_world_size(ep_group) > 1:
-        raise PipelineError(f"pipeline_schedule(dp_group=...) with expert parallelism (ep_group of "
-                            f"{dist.get_world_size(ep_group)} ranks) is not supported yet: expert gradients would "
-                            f"reduce over the expert-data-parallel group, dense ones over dp_group; use EP 1 with "
-                            f"dp_group, or reduce the gradients yourself after step (docs/pipeline_parallel.md)")
+    dp = set(groups.dp_ranks)
     if config.grad_reduce != "all_reduce":
         raise PipelineError(f"pipeline_schedule(dp_group=...) reduces with all_reduce; OverlapConfig(grad_reduce="
                             f"{config.grad_reduce!r}) (sharded gradients) is not supported under pipeline parallelism")
@@ -820,6 +910,7 @@ def _check_dp(stages: list, dp_group: dist.ProcessGroup, ep_group: dist.ProcessG
                 raise PipelineError(f"{where}: parameter {name} belongs to pipeline stage {seen[id(p)]} too; its "
                                     f"gradient is not final after either stage's last backward, where dp_group's "
                                     f"reduction starts (tied weights across stages are not supported with dp_group)")
+    return groups
 
 
 def stage_layout(schedule: type | str, pp: int, pp_rank: int) -> tuple[int, list[int]]:

@@ -5,7 +5,7 @@ PP 2 x EP 1 on 2 gloo ranks, PP 2 x EP 2 on 4; Schedule1F1B, ScheduleInterleaved
 ScheduleDualPipeV (which emits OVERLAP_F_B and the BACKWARD_INPUT/BACKWARD_WEIGHT split); 4
 microbatches; the reference MoE model, an mHC model and torchtitan's Qwen3-MoE (at EP 1, and
 at EP 2 with torchtitan's own EP: DTensor expert weights); PP 2 x DP 2 with DDP stage modules
-and with pipeline_schedule(..., dp_group=...). With
+and with pipeline_schedule(..., dp_group=...), and PP 2 x EP 2 with the EP group as dp_group. With
 ``compiler="eager"`` the stage programs run eager's kernels in eager's order, and
 pipelining accumulates each stage's microbatch gradients in the reference's order, so
 losses and gradients are bitwise equal.
@@ -307,8 +307,68 @@ def test_pp2_dp2_dp_group_reduction(schedule):
         # once per stage per step, after its last backward
         assert sorted(r["reduce_starts"]) == sorted([(s, 4) for s in stages] * 2), r["reduce_starts"]
         assert all(n > 1 for n in r["buckets"].values()), r["buckets"]
+        # EP 1: the expert parameters (found from the stage graphs) reduce over dp_group as the
+        # dense ones do, so each stage has one reducer, over 2 ranks, dividing by 2
+        assert r["expert_params"] == r["want_expert_params"] and r["expert_params"], r["expert_params"]
+        assert all(len(red) == 1 and red[0][:2] == (2, 2) for red in r["reducers"].values()), r["reducers"]
         if schedule == "ScheduleDualPipeV":
             assert r["overlap_steps"] > 0 and r["merged_steps"] == r["overlap_steps"], r
+
+
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+def test_pp2_ep2_dp_group_reduction(schedule):
+    """PP 2 x EP 2 with pipeline_schedule(..., dp_group=...), the DP group being the EP group
+    (each pipeline rank's 2 ranks, each with its own data and 2 of the 4 experts;
+    expert_dp_group=None: no other rank holds a rank's experts). As fxoverlap.optimize reduces:
+    dense gradients averaged over dp_group, expert gradients (which already sum over the EP
+    group's tokens) only divided by |dp_group|. Which parameters are expert is read from each
+    stage's compiled graphs (only experts stages read them): here the experts' w1/w2/w3, two
+    reducers per stage (dense over 2 ranks, expert alone, both dividing by 2). Against the
+    eager model reduced so: every gradient within 1e-6 relative (measured: bitwise), losses
+    bitwise; reductions issued once per stage per step after its 4th backward (DualPipeV's: after
+    its BACKWARD_WEIGHT), two steps for DualPipeV. Reducing the expert gradients over dp_group
+    like the dense ones is off by ~1 here. A wrong expert_dp_group (dp_group itself, or a group
+    of the EP peer alone) is refused with check_groups' message."""
+    steps = 2 if schedule == "ScheduleDualPipeV" else 1
+    results = run_distributed(pp_cases.run_dp_case, schedule, "dp_group",
+                              {"ep": 2, "steps": steps, "config": {"reduce_bucket_mb": 0.001}}, world_size=4)
+    for r in results:
+        assert not r["missing"] and r["n_grads"] > 0, r
+        assert r["grad_rel_l2"] <= 1e-6 and r["max_abs_diff"] <= 1e-6 * r["max_abs_ref"], r
+        if r["loss_bitwise"] is not None:
+            assert r["loss_bitwise"] and r["n_losses"] == 4, r
+        stages = sorted(r["stages"])
+        assert sorted(r["reduce_starts"]) == sorted([(s, 4) for s in stages] * steps), r["reduce_starts"]
+        assert r["expert_params"] == r["want_expert_params"] and r["expert_params"], r["expert_params"]
+        for s, red in r["reducers"].items():
+            assert [(size, div) for size, div, _ in red] == [(2, 2), (1, 2)], (s, red)
+        if schedule == "ScheduleDualPipeV":
+            assert r["overlap_steps"] > 0 and r["merged_steps"] == r["overlap_steps"], r
+        me, peer = r["rank"], r["rank"] ^ 1
+        dp = sorted((me, peer))
+        assert r["errors"]["expert_dp_is_dp"] == (
+            f"GradReduceConfigError: fxoverlap.pipeline_schedule: expert_dp_group has 2 ranks {dp}, but "
+            f"|dp_group| / |ep_group| = 2 / 2 = 1: each rank's experts are replicated on one rank of every EP "
+            f"group"), r["errors"]
+        assert r["errors"]["expert_dp_of_peer"].startswith(
+            f"GradReduceConfigError: fxoverlap.pipeline_schedule: rank {me} is not a member of expert_dp_group"), \
+            r["errors"]
+
+
+def test_pp1_dp4_ep2_expert_dp_group():
+    """An expert_dp_group of more than one rank: PP 1 x DP 4 with EP 2 inside on 4 ranks (each
+    rank a one-stage pipeline, Schedule1F1B, 4 microbatches; dp_group the world, EP groups
+    {0, 1} / {2, 3}, expert_dp_group {0, 2} / {1, 3}). Two reducers: dense over the 4 ranks,
+    expert over the 2 that hold the same experts, both dividing by 4. Against the eager model
+    reduced so: every gradient within 1e-6 relative (a sum of 4 in another order; measured
+    7e-8), losses bitwise."""
+    results = run_distributed(pp_cases.run_edp_case, world_size=4)
+    for r in results:
+        assert not r["missing"] and r["n_grads"] > 0, r
+        assert r["grad_rel_l2"] <= 1e-6 and r["max_abs_diff"] <= 1e-6 * r["max_abs_ref"], r
+        assert r["loss_bitwise"], r
+        assert r["expert_params"] == r["want_expert_params"] and r["expert_params"], r["expert_params"]
+        assert [(size, div) for size, div, _ in r["reducers"]] == [(4, 4), (2, 4)], r["reducers"]
 
 
 def test_dp_group_errors():
@@ -324,6 +384,13 @@ def test_dp_group_errors():
     assert "dp_group=...) reduces them" in res["bucket_without_dp"], res
     assert res["shares_pipeline"].startswith("PipelineInputError: pipeline stage 0 (MoEStage): dp_group [0, 1] and "
                                              "the pipeline group [0, 1] share ranks [0, 1]"), res
+    # the groups are checked as fxoverlap.optimize checks them (grad_reduce.check_groups)
+    assert res["expert_dp_without_dp"].startswith("GradReduceConfigError: fxoverlap.pipeline_schedule: "
+                                                  "expert_dp_group needs dp_group"), res
+    assert res["ep_outside_dp"] == ("GradReduceConfigError: fxoverlap.pipeline_schedule: ep_group [0, 1] is not "
+                                    "inside dp_group [0]; expert parallelism runs inside data parallelism"), res
+    assert res["expert_dp_not_group"].startswith("PipelineInputError: expert_dp_group must be a torch.distributed "
+                                                 "ProcessGroup or None, got list"), res
 
 
 def test_pp2_ep2_hf_qwen3_moe():

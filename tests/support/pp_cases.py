@@ -421,38 +421,119 @@ def error_case(rank: int, world: int, which: str) -> dict:
     return {"raised": False, "grads": sum(p.grad is not None for p in mod.parameters())}
 
 
+def _is_expert(name: str) -> bool:
+    """Whether a parameter of the reference model is an expert weight (held by one EP rank)."""
+    return ".moe.experts." in name
+
+
+def _grad_diff(stages: list, names: dict[int, str], ref: dict[str, torch.Tensor]) -> dict:
+    """The stages' parameter gradients against the reference's (by name): the worst relative
+    L2 difference of a parameter, the worst absolute one, the largest reference entry."""
+    worst = scale = rel = 0.0
+    missing, count = [], 0
+    for st in stages:
+        for p in st.submod.parameters():
+            k = names[id(p)]
+            if (ref.get(k) is None) != (p.grad is None):
+                missing.append(k)
+                continue
+            count += 1
+            d = p.grad.double() - ref[k].double()
+            rel = max(rel, (d.norm() / ref[k].double().norm().clamp_min(1e-30)).item())
+            worst = max(worst, d.abs().max().item())
+            scale = max(scale, ref[k].double().abs().max().item())
+    return {"missing": missing, "n_grads": count, "max_abs_diff": worst, "max_abs_ref": scale, "grad_rel_l2": rel}
+
+
+def run_edp_case(rank: int, world: int) -> dict:
+    """PP 1 x DP 4 with EP 2 inside (4 ranks): each rank a one-stage pipeline of its own (the
+    whole model, Schedule1F1B, 4 microbatches), ``dp_group`` the world, EP groups {0, 1} and
+    {2, 3}, ``expert_dp_group`` the ranks holding the same experts ({0, 2}, {1, 3}); each rank
+    its own data. The reference: the eager model, gradients divided by the microbatch count,
+    dense ones summed over the world and expert ones over the expert-DP group, both divided by 4."""
+    import torch.distributed.pipelining as pipelining
+
+    n_mb, ep = 4, 2
+    ep_groups = [dist.new_group(list(range(r, r + ep))) for r in range(0, world, ep)]
+    edp_groups = [dist.new_group(list(range(e, world, ep))) for e in range(ep)]
+    pp_groups = [dist.new_group([r]) for r in range(world)]
+    ep_group, expert_dp_group, pp_group = ep_groups[rank // ep], edp_groups[rank % ep], pp_groups[rank]
+    dp_group = dist.group.WORLD
+    g = torch.Generator().manual_seed(100 + rank)
+    model, vocab = _build("ref", ep_group)
+    x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    y = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    ref_losses = []
+    for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
+        loss = loss_fn(model(xi), yi)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    ref = {}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            gr = p.grad / n_mb
+            dist.all_reduce(gr, group=expert_dp_group if _is_expert(k) else dp_group)
+            ref[k] = gr / world
+    del model
+
+    model, _ = _build("ref", ep_group)
+    names = {id(p): k for k, p in model.named_parameters()}
+    stage = pipelining.PipelineStage(RefStage(model, list(range(N_LAYERS)), True, True), 0, 1, torch.device("cpu"),
+                                     group=pp_group)
+    sched = fxoverlap.pipeline_schedule(pipelining.Schedule1F1B, stage, n_mb, loss_fn=loss_fn, ep_group=ep_group,
+                                        config=fxoverlap.OverlapConfig(compiler="eager"), dp_group=dp_group,
+                                        expert_dp_group=expert_dp_group)
+    losses: list = []
+    sched.step(x, target=y, losses=losses)
+    red = stage._fxoverlap.reducer
+    return {"rank": rank, **_grad_diff([stage], names, ref),
+            "loss_bitwise": len(losses) == n_mb and all(torch.equal(a.detach(), b) for a, b in zip(losses, ref_losses)),
+            "expert_params": sorted(k for k, role in red.roles.items() if role == "expert"),
+            "want_expert_params": sorted(k for k, _ in stage.submod.named_parameters() if _is_expert(k)),
+            "reducers": [(r.size, r.divisor, len(r.params)) for r in red.reducers]}
+
+
 def run_dp_case(rank: int, world: int, schedule: str, mode: str = "ddp", opts: dict | None = None) -> dict:
-    """PP 2 x DP 2 (EP 1) on 4 ranks, each DP rank its own data: ``mode="ddp"``: each stage module
+    """PP 2 x DP 2 on 4 ranks, each DP rank its own data: ``mode="ddp"``: each stage module
     in DistributedDataParallel over its DP group; ``"dp_group"``: plain stage modules,
     ``pipeline_schedule(..., dp_group=...)`` reduces. ``opts``: ``config`` (OverlapConfig fields),
-    ``steps`` (1: steps run, gradients zeroed before the last). The reference: the unpipelined
-    model, eager, gradients divided by the microbatch count, averaged over the DP group."""
+    ``steps`` (1: steps run, gradients zeroed before the last), ``ep`` (1; 2: the DP group is
+    also the EP group, each pipeline rank's 2 ranks holding 2 experts each, ``expert_dp_group=None``:
+    ``"dp_group"`` mode only). The reference: the unpipelined model, eager, gradients divided by
+    the microbatch count, then as ``fxoverlap.optimize`` reduces them: dense ones averaged over
+    the DP group, expert ones (their peers in expert_dp_group: none) divided by its size."""
     import torch.distributed.pipelining as pipelining
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     n_mb, dp = 4, 2
     opts = opts or {}
-    pp, pp_rank, dp_rank, _, pp_group = pp_ep_groups(dp)
+    ep = opts.get("ep", 1)
+    pp, pp_rank, dp_rank, ep_group, pp_group = pp_ep_groups(dp)
+    ep_group = ep_group if ep > 1 else None  # the rows of the mesh: with ep=2 the EP groups
     dp_group = None
     for r in range(pp):  # the rows of the mesh (the groups pp_ep_groups made first) again, as DP groups
         g = dist.new_group(list(range(r * dp, (r + 1) * dp)))
         if r == pp_rank:
             dp_group = g
     g = torch.Generator().manual_seed(100 + dp_rank)
-    model, vocab = _build("ref", None)
+    model, vocab = _build("ref", ep_group)
     x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
     y = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    ref_losses = []
     for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
-        loss_fn(model(xi), yi).backward()
+        loss = loss_fn(model(xi), yi)
+        loss.backward()
+        ref_losses.append(loss.detach())
     ref = {}
     for k, p in model.named_parameters():
         if p.grad is not None:
             gr = p.grad / n_mb
-            dist.all_reduce(gr, group=dp_group)
+            if not (ep > 1 and _is_expert(k)):  # an expert's gradient already sums over its EP group's tokens
+                dist.all_reduce(gr, group=dp_group)
             ref[k] = gr / dp
     del model
 
-    model, _ = _build("ref", None)
+    model, _ = _build("ref", ep_group)
     names = {id(p): k for k, p in model.named_parameters()}
     n_stages, mine = stage_layout(schedule, pp, pp_rank)
     per = N_LAYERS // n_stages
@@ -464,8 +545,18 @@ def run_dp_case(rank: int, world: int, schedule: str, mode: str = "ddp", opts: d
         stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu"), group=pp_group))
     cls = getattr(pipelining, schedule)
     arg = stages[0] if schedule == "Schedule1F1B" else stages
-    sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn,
-                                        config=fxoverlap.OverlapConfig(compiler="eager", **opts.get("config", {})),
+    config = fxoverlap.OverlapConfig(compiler="eager", **opts.get("config", {}))
+    errors = {}
+    if ep > 1:  # what the groups' check refuses here, before the schedule is made (nothing installed)
+        alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+        for what, edp in (("expert_dp_is_dp", dp_group), ("expert_dp_of_peer", alone[rank ^ 1])):
+            try:
+                fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn, config=config, ep_group=ep_group,
+                                            dp_group=dp_group, expert_dp_group=edp)
+                errors[what] = "no error"
+            except Exception as e:
+                errors[what] = f"{type(e).__name__}: {e}"
+    sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn, config=config, ep_group=ep_group,
                                         dp_group=dp_group if mode == "dp_group" else None)
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     # when each stage's dp_group reduction started: (stage, its backwards run in the step by then)
@@ -480,30 +571,31 @@ def run_dp_case(rank: int, world: int, schedule: str, mode: str = "ddp", opts: d
                 orig()
 
             red.start = start
+    losses: list = []
     for i in range(opts.get("steps", 1)):
         if i:  # a later step: the same gradients again, from zero
             for st in stages:
                 st.submod.zero_grad(set_to_none=True)
-        sched.step(*((x,) if has_first else ()), **(dict(target=y, losses=[]) if has_last else {}))
-    worst = scale = rel = 0.0
-    missing, count = [], 0
-    for st in stages:
-        for p in st.submod.parameters():
-            k = names[id(p)]
-            if (ref.get(k) is None) != (p.grad is None):
-                missing.append(k)
-                continue
-            count += 1
-            d = p.grad.double() - ref[k].double()
-            rel = max(rel, (d.norm() / ref[k].double().norm().clamp_min(1e-30)).item())
-            worst = max(worst, d.abs().max().item())
-            scale = max(scale, ref[k].double().abs().max().item())
-    return {"rank": rank, "missing": missing, "n_grads": count, "max_abs_diff": worst, "max_abs_ref": scale,
-            "grad_rel_l2": rel, "stages": {i: len(v) for i, v in sched.fxoverlap_stages.items()}, "reduce_starts": starts,
+        losses = []
+        sched.step(*((x,) if has_first else ()), **(dict(target=y, losses=losses) if has_last else {}))
+    return {"rank": rank, **_grad_diff(stages, names, ref),
+            "stages": {i: len(v) for i, v in sched.fxoverlap_stages.items()}, "reduce_starts": starts,
             "buckets": {st.stage_index: len(st._fxoverlap.reducer.buckets()) for st in stages
                         if st._fxoverlap.reducer is not None},
             "merged_steps": getattr(sched, "fxoverlap_merged_steps", None),
-            "overlap_steps": getattr(sched, "fxoverlap_overlap_steps", None)}
+            "overlap_steps": getattr(sched, "fxoverlap_overlap_steps", None),
+            "loss_bitwise": all(torch.equal(a.detach(), b) for a, b in zip(losses, ref_losses)) if has_last else None,
+            "n_losses": len(losses),
+            # the reduction's roles: the expert parameters it found, and the expected ones, by name
+            "expert_params": sorted(names[id(p)] for st in stages if st._fxoverlap.reducer is not None
+                                    for n, p in st.submod.named_parameters()
+                                    if st._fxoverlap.reducer.roles.get(n) == "expert"),
+            "want_expert_params": sorted(names[id(p)] for st in stages if st._fxoverlap.reducer is not None
+                                         for p in st.submod.parameters() if _is_expert(names[id(p)])),
+            # per stage: (group size, divisor, parameters) of each reducer
+            "reducers": {st.stage_index: [(r.size, r.divisor, len(r.params)) for r in st._fxoverlap.reducer.reducers]
+                         for st in stages if st._fxoverlap.reducer is not None},
+            "errors": errors}
 
 
 def dp_error_case(rank: int, world: int) -> dict:
@@ -534,4 +626,7 @@ def dp_error_case(rank: int, world: int) -> dict:
         "reduce_scatter": error(dp_group=mine, config=fxoverlap.OverlapConfig(grad_reduce="reduce_scatter")),
         "bucket_without_dp": error(config=fxoverlap.OverlapConfig(reduce_bucket_mb=1.0)),
         "shares_pipeline": error(dp_group=dist.group.WORLD),
+        "expert_dp_without_dp": error(expert_dp_group=mine),
+        "ep_outside_dp": error(dp_group=mine, ep_group=dist.group.WORLD),
+        "expert_dp_not_group": error(dp_group=mine, expert_dp_group=[0]),
     }
