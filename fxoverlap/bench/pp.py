@@ -9,7 +9,9 @@ stage modules (embedding + first layers, ..., last layers + norm + output; decod
 
 - ``eager``: the pipelining schedule as it is;
 - ``compile``: the same, each stage module compiled in place by ``torch.compile``
-  (``nn.Module.compile()``, Inductor; DualPipeV refuses an ``OptimizedModule`` wrapper);
+  (``nn.Module.compile()``, Inductor; DualPipeV refuses an ``OptimizedModule`` wrapper; for
+  the schedules that split the backward, with ``torch._functorch.config.donated_buffer=False``,
+  which pipelining's retained-graph ``BACKWARD_INPUT`` needs);
 - ``fxoverlap``: ``fxoverlap.pipeline_schedule`` (each stage's F/B an fxoverlap program;
   each ``OVERLAP_F_B`` the two programs in turns);
 - ``fxoverlap_seq``: the same with ``merge=False`` (each ``OVERLAP_F_B`` F then B): what
@@ -30,6 +32,7 @@ import statistics
 import time
 
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -115,6 +118,11 @@ def run(args: argparse.Namespace) -> dict | None:
             stages.append(pipelining.PipelineStage(mod, s, n_stages, device, group=pp_group))
         cls = getattr(pipelining, args.schedule)
         arg = stages[0] if args.schedule == "Schedule1F1B" else stages
+        # pipelining's BACKWARD_INPUT (torch.autograd.grad with retain_graph) cannot run an
+        # AOTAutograd backward compiled with donated buffers; torch's own advice is to turn them off
+        no_donation = mode == "compile" and args.schedule in ("ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble",
+                                                               "ScheduleDualPipeV")
+        torch._functorch.config.donated_buffer = not no_donation
         if mode.startswith("fxoverlap"):
             sched = fxoverlap.pipeline_schedule(cls, arg, n_mb, loss_fn=loss_fn, ep_group=ep_group,
                                                 merge=mode == "fxoverlap")
