@@ -545,3 +545,41 @@ def test_getitem_follows_its_op():
         outs.update(zip(s.outputs, s.graph_module(*args)))
     assert torch.equal(outs[double.name], x_val.topk(2).values * 2)
     assert torch.equal(outs[as_float.name], x_val.topk(2).indices.float())
+
+
+def test_with_whole_chains_joins_only_matching_versions():
+    """chunk.with_whole_chains: the whole chains join the cut stages when everything outside the
+    chains is the same and each layer's chunks and whole chain read and hand on the same values;
+    otherwise the cut stages alone, with the reason (then every microbatch runs the chunks)."""
+    from types import SimpleNamespace
+
+    from fxoverlap.ir.stage import StageKind as K
+    from fxoverlap.passes.chunk import with_whole_chains
+
+    def st(name, kind, chunk, inputs, outputs, code="c"):
+        return SimpleNamespace(name=name, kind=kind, layer=0, chunk=chunk, inputs=tuple(inputs),
+                               outputs=tuple(outputs), graph_module=SimpleNamespace(code=code))
+
+    attn = st("fwd_l0_attn", K.ATTN, None, ["x"], ["h"])
+    post = st("fwd_l0_post", K.POST, None, ["combine"], ["y"])
+    whole = [attn, st("fwd_l0_dispatch", K.DISPATCH, None, ["h"], ["rows"]),
+             st("fwd_l0_experts", K.EXPERTS, None, ["rows"], ["out"]),
+             st("fwd_l0_combine", K.COMBINE, None, ["out"], ["combine"]), post]
+    cut = [attn, *(st(f"fwd_l0_{k}_c{c}", kind, c, i, o) for c in (0, 1) for k, kind, i, o in (
+        ("dispatch", K.DISPATCH, ["h"], [f"rows{c}"]), ("experts", K.EXPERTS, [f"rows{c}"], [f"out{c}"]),
+        ("combine", K.COMBINE, [f"out{c}"] + (["part0"] if c else []), [f"part{c}"] if not c else ["combine"]))),
+           post]
+    joined, why = with_whole_chains(cut, whole)
+    assert why is None and [s.name for s in joined[len(cut):]] == ["fwd_l0_dispatch", "fwd_l0_experts", "fwd_l0_combine"]
+    # the merge under another name: post would read a value the whole chain does not make
+    renamed = cut[:-2] + [st("fwd_l0_combine_c1", K.COMBINE, 1, ["out1", "part0"], ["merged"]),
+                          st("fwd_l0_post", K.POST, None, ["merged"], ["y"])]
+    joined, why = with_whole_chains(renamed, whole)
+    assert joined is renamed and "differs" in why
+    # the chunks read a value the whole chain does not
+    extra = [cut[0], st("fwd_l0_dispatch_c0", K.DISPATCH, 0, ["h", "x"], ["rows0"]), *cut[2:]]
+    joined, why = with_whole_chains(extra, whole)
+    assert joined is extra and "read or hand on different values" in why
+    # a stage outside the chains compiled differently
+    joined, why = with_whole_chains(cut, whole[:-1] + [st("fwd_l0_post", K.POST, None, ["combine"], ["y"], "d")])
+    assert joined is cut and "fwd_l0_post" in why
