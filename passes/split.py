@@ -19,7 +19,8 @@ that is decided. The joint graph is not changed.
 With ``delay_wgrad``, each backward ``attn``/``experts``/``mlp`` stage is cut in
 two: the weight-gradient part (nodes whose results reach only parameter-gradient
 outputs) becomes a stage of its own, part ``WGRAD`` (``<name>_wgrad``), so the
-schedule can run it where it fills a comm slot.
+schedule can run it where it fills a comm slot. A layer's chunks (``chunk``) are cut
+together, so each chunk's weight gradient, which feeds the chunks' sum, is in its part.
 
 Steps
 -----
@@ -157,11 +158,20 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
             groups.setdefault(t, []).append(n)
     if delay_wgrad:
         output = next(iter(gm.graph.find_nodes(op="output")))
-        for t, nodes in list(groups.items()):
+        # the chunks of a layer's stage (``chunk``) together: an earlier chunk's weight gradient
+        # feeds the chunks' sum in the last chunk's stage, so it reaches only gradient outputs too
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        kin: dict[tuple, list[Tag]] = {}
+        for t in groups:
             if t.direction is Direction.BWD and t.kind in _WGRAD_KINDS and t.part is Part.MAIN:
-                w = _wgrad_part(nodes, output)
-                if w and len(w) < len(nodes):
-                    wset = set(w)
+                kin.setdefault((t.layer, t.kind), []).append(t)
+        for tags in kin.values():
+            together = sorted((n for t in tags for n in groups[t]), key=order.get)
+            wset = set(_wgrad_part(together, output))
+            for t in tags:
+                nodes = groups[t]
+                w = [n for n in nodes if n in wset]
+                if w and len(w) < len(nodes) and any(computes(n) for n in w):
                     groups[t] = [n for n in nodes if n not in wset]
                     groups[t.with_part(Part.WGRAD)] = w
     _keep_results_with_their_op(groups)

@@ -62,6 +62,11 @@ def test_optimize_matches_eager(i):
                         got = sorted(s[4] for s in chunked if s[1:4] == (kind, direction, layer))
                         assert got == list(range(k)), (kind, direction, layer, got)
             assert "experts c1" in r["table"]
+            if v["config"].get("delay_wgrad"):  # every chunk's weight gradient in a part of its own
+                wgrad = {s[0] for s in r["stages"] if s[0].endswith("_wgrad")}
+                for layer in (0, 1):
+                    missing = [c for c in range(k) if f"bwd_l{layer}_experts_c{c}_wgrad" not in wgrad]
+                    assert not missing, (layer, missing, sorted(wgrad))
 
 
 def test_issue_order_of_the_plain_steps():
