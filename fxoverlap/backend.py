@@ -623,8 +623,8 @@ class CompiledStep(_CompiledProgram):
             raise BackendError("fxoverlap backend: backward through a compiled step ran twice")
         runner, state = run.runner, run.state
         # a graphed call's memory is in use until its last part has run
-        if not run.defer_weights and self._awaiting_backward is not None and self._awaiting_backward() is state:
-            self._awaiting_backward = None
+        if not run.defer_weights:
+            self._backward_started(state)
         run.next_segment = len(self._segments)
         runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
         for span in runner.turns("input_grads" if run.defer_weights else "backward"):
@@ -645,8 +645,7 @@ class CompiledStep(_CompiledProgram):
             raise BackendError("fxoverlap backend: weight gradients of a call whose input-gradient backward has not "
                                "run with defer_weights, or that already ran")
         runner, state = run.runner, run.state
-        if self._awaiting_backward is not None and self._awaiting_backward() is state:
-            self._awaiting_backward = None
+        self._backward_started(state)
         runner.execute(state, "weight_grads")
         handed = state.outputs[0]
         grads = {i: handed.pop(v) for i, v in self._grad_of.items() if v in handed}
@@ -659,15 +658,20 @@ class CompiledStep(_CompiledProgram):
         """Whether the program's backward has a weight-gradient part to defer (``weight_last``)."""
         return self.runner.has_weight_part()
 
+    def _backward_started(self, state) -> None:
+        """The last part of call ``state``'s backward runs: its graph memory may be reused
+        after it, so the next forward may use the graphed runner again."""
+        if self._awaiting_backward is not None and self._awaiting_backward() is state:
+            self._awaiting_backward = None
+
     def draws_random_numbers(self) -> bool:
         return any(s.draws for s in self.stages)
 
     def _run_backward(self, run: _Run, k: int, grad_outputs) -> dict[int, torch.Tensor]:
         runner, state = run.runner, run.state
         if k == 0:
-            if (not run.defer_weights and self._awaiting_backward is not None
-                    and self._awaiting_backward() is state):
-                self._awaiting_backward = None
+            if not run.defer_weights:
+                self._backward_started(state)
             runner.set_tangents(state, 0, [grad_outputs[i] for i in self._tangent_pos])
         (lo, hi), inputs = self._segments[k]
         if run.defer_weights:  # the weight-gradient part runs later (weight_grads)

@@ -191,6 +191,13 @@ class ProgramRunner:
                 self._bound.append((methods[node.target], step_args))
                 self._traced.append((node.name, node.args[0]) if node.target is program_ops.free else None)
         self.weight_start = self._weight_start()
+        # the named parts of the program, for execute and turns (fixed once the nodes are bound)
+        end = len(self._bound)
+        split = end if self.backward_start is None else self.backward_start
+        weight = max(split, self.weight_start)
+        self._spans: dict[str, tuple[int, int]] = {
+            "all": (0, end), "forward": (0, split), "backward": (split, end),
+            "input_grads": (split, weight), "weight_grads": (weight, end)}
 
     def _weight_start(self) -> int:
         """Where the backward's trailing weight-gradient part begins (a program scheduled with
@@ -238,22 +245,14 @@ class ProgramRunner:
         """Whether the backward ends in a weight-gradient part (``"weight_grads"`` is not empty)."""
         return self.backward_start is not None and self.weight_start < len(self._bound)
 
-    def _spans(self) -> dict[str, tuple[int, int]]:
-        end = len(self._bound)
-        split = end if self.backward_start is None else self.backward_start
-        weight = max(split, self.weight_start)
-        return {"all": (0, end), "forward": (0, split), "backward": (split, end),
-                "input_grads": (split, weight), "weight_grads": (weight, end)}
-
     def execute(self, state: RunState, part: str | tuple[int, int] = "all", on_error: Callable | None = None) -> None:
         """Run ``"all"`` of the program, its ``"forward"`` / ``"backward"`` part (one
         microbatch, as the torch.compile backend runs it from an autograd.Function), the
         backward's ``"input_grads"`` then ``"weight_grads"`` part (a program scheduled with
         ``weight_last``: a ZeroBubble schedule's B and W), or the span ``(lo, hi)`` of it
         that one of :meth:`grad_segments` names."""
-        spans = self._spans()
-        split = spans["backward"][0]
-        lo, hi = spans[part] if isinstance(part, str) else part
+        split = self._spans["backward"][0]
+        lo, hi = self._spans[part] if isinstance(part, str) else part
         self._on_error = on_error
         if self.streams:
             # the compute stream is the caller's current one (autograd may run a backward
@@ -285,7 +284,7 @@ class ProgramRunner:
         of a stage on the comm stream: spans for :meth:`execute`. Running two programs' chunks
         in turns (a merged F(i) ⊗ B(j) step of pipeline parallelism) puts each one's compute
         under the other's communication."""
-        lo, hi = self._spans()[part]
+        lo, hi = self._spans[part]
         out, start = [], lo
         for i in range(lo, hi):
             fn, args = self._bound[i]
@@ -301,7 +300,7 @@ class ProgramRunner:
         segment, its span for :meth:`execute` and the gradient values it hands out. A
         caller that returns gradients to autograd segment by segment lets autograd
         accumulate (and free) them as the backward goes, not all at its end."""
-        split = len(self._bound) if self.backward_start is None else self.backward_start
+        split = self._spans["backward"][0]
         out, lo = [], split
         for i in range(split, len(self._bound)):
             fn, args = self._bound[i]

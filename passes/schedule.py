@@ -105,7 +105,7 @@ F, B, K = Direction.FWD, Direction.BWD, StageKind
 
 
 class _Emitter:
-    def __init__(self, stages: list[Stage], capture: Capture, alone: set[int]):
+    def __init__(self, stages: list[Stage], capture: Capture, alone: set[int], expert_wgrad_slot: int = 3):
         # (direction, layer, kind) -> its main stages; where a layer has its chunks and its whole
         # chain (chunk.with_whole_chains), ``main`` holds the whole one and ``chunked`` the chunks,
         # which the microbatches in ``alone`` run
@@ -137,7 +137,7 @@ class _Emitter:
         self.recompute_for: dict[str, list[Stage]] = {}
         # (merged step, layer pair, slot) of the stages emitted now; None outside slots
         self.slot: tuple[int, int, int] | None = None
-        self.expert_wgrad_slot = 3  # the merged-step slot of B experts' wgrad part (2 or 3)
+        self.expert_wgrad_slot = expert_wgrad_slot  # the merged-step slot of B experts' wgrad part (2 or 3)
 
     def get(self, direction: Direction, layer: int, kind: StageKind, mb: int) -> list[Stage]:
         key = (direction, layer, kind)
@@ -285,8 +285,7 @@ def schedule(
     num_layers = capture.num_layers
     # the microbatches with no other beside them run the chunks (where a layer has both)
     alone = set(range(num_microbatches)) if forward_only else {0, num_microbatches - 1}
-    e = _Emitter(stages, capture, alone)
-    e.expert_wgrad_slot = expert_wgrad_slot
+    e = _Emitter(stages, capture, alone, expert_wgrad_slot)
     for r in stages:
         if r.kind in RECOMPUTE_KINDS:
             readers = [s for s in stages if set(r.outputs) & set(s.inputs)]

@@ -34,17 +34,9 @@ EXTRA=${EXTRA:-}           # more bench flags for every row, e.g. "--overlap-con
 INSTALL=${INSTALL:-1}
 DRY=${DRY:-0}              # 1: print the commands only
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fxoverlap_inductor_cache}
-mkdir -p "$OUT"
-LOG="$OUT/gpu_emulated.log"
-T0=$(date +%s)
-say() { echo "[gpu_emulated $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-# a copy of the tree without its git-ignored links (fxoverlap/kernels, fxoverlap/passes)
-[ -e fxoverlap/kernels ] || ln -s ../kernels fxoverlap/kernels
-[ -e fxoverlap/passes ] || ln -s ../passes fxoverlap/passes
-if [ "$INSTALL" = 1 ] && [ "$DRY" != 1 ]; then
-  $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || say "pip install failed (running from the tree)"
-fi
-say "torch $($PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -1)"
+# shellcheck source=scripts/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_setup gpu_emulated
 say "step check"
 [ "$DRY" = 1 ] || timeout 120 $PY scripts/gpu_emulated_check.py --out "$OUT/emucheck.jsonl" >"$OUT/emucheck.log" 2>&1 || say "check failed (rc $?)"
 grep "^EMUCHECK" "$OUT/emucheck.log" | cut -c1-300 | tee -a "$LOG"

@@ -33,17 +33,9 @@ ROWS=${ROWS:-"base8_st:8:chunks=1:1 wg8_st:8:chunks=1,delay_wgrad=1:1 wg8_slot2:
 base16:16:chunks=1:0 wg16:16:chunks=1,delay_wgrad=1:0 wg16_slot2:16:chunks=1,delay_wgrad=1,expert_wgrad_slot=2:0
 c2wg8:8:chunks=2,delay_wgrad=1:0 c2wg8_slot2:8:chunks=2,delay_wgrad=1,expert_wgrad_slot=2:0"}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fxoverlap_inductor_cache}
-mkdir -p "$OUT"
-LOG="$OUT/gpu_slots.log"
-T0=$(date +%s)
-say() { echo "[gpu_slots $(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-# a copy of the tree without its git-ignored links (fxoverlap/kernels, fxoverlap/passes)
-[ -e fxoverlap/kernels ] || ln -s ../kernels fxoverlap/kernels
-[ -e fxoverlap/passes ] || ln -s ../passes fxoverlap/passes
-if [ "$INSTALL" = 1 ]; then
-  $PY -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || say "pip install failed (running from the tree)"
-fi
-say "torch $($PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -1)"
+# shellcheck source=scripts/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_setup gpu_slots
 say "commit $(git rev-parse --short HEAD 2>/dev/null || echo "${FXOVERLAP_COMMIT:-unknown}")"
 for row in $ROWS; do
   IFS=: read -r name mbs oc st <<< "$row"

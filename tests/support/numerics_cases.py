@@ -39,24 +39,30 @@ def stagewise(rank: int, world: int, configs: list[dict]) -> list[dict]:
     return out
 
 
-def interleaved(rank: int, world: int, configs: list[dict], ns: list[int], delay_wgrad: bool) -> list[dict]:
-    """forward_backward over N microbatches equals eager, for each N."""
-    out = []
+def _optimize_vs_eager(rank: int, configs: list[dict], ns: list[int], overlap: dict):
+    """For each model config and microbatch count N: ``(engine, record)`` after ``forward_backward``
+    over N microbatches against eager on the same weights and data (``record``: config, n, losses
+    equal, largest gradient difference, its scale, bitwise); each engine closed after its counts."""
     for kw in configs:
         torch.manual_seed(0)
         cfg = MoEConfig.tiny(**kw)
         model = MoETransformer(cfg, dist.group.WORLD)
-        engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(delay_wgrad=delay_wgrad))
+        engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(**overlap))
         for n in ns:
             mbs = make_batches(rank, cfg.vocab_size, n, seed=n)
             ref_losses, ref = eager_grads(model, mbs)
             losses = engine.forward_backward(mbs)
             diff, scale, bitwise = grad_diff(model, ref)
             model.zero_grad(set_to_none=True)
-            out.append(dict(config=kw, n=n, losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
-                            diff=diff, scale=scale, bitwise=bitwise,
-                            wgrad_stages=sum(1 for s in engine.stages if s.wgrad_of)))
-    return out
+            yield engine, dict(config=kw, n=n, losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
+                               diff=diff, scale=scale, bitwise=bitwise)
+        engine.close()
+
+
+def interleaved(rank: int, world: int, configs: list[dict], ns: list[int], delay_wgrad: bool) -> list[dict]:
+    """forward_backward over N microbatches equals eager, for each N."""
+    return [dict(rec, wgrad_stages=sum(1 for s in engine.stages if s.wgrad_of))
+            for engine, rec in _optimize_vs_eager(rank, configs, ns, dict(delay_wgrad=delay_wgrad))]
 
 
 def expert_wgrad_slot(rank: int, world: int, configs: list[dict], ns: list[int]) -> list[dict]:
@@ -65,24 +71,11 @@ def expert_wgrad_slot(rank: int, world: int, configs: list[dict], ns: list[int])
     from fxoverlap.ir.program import stage_calls
 
     out = []
-    for kw in configs:
-        torch.manual_seed(0)
-        cfg = MoEConfig.tiny(**kw)
-        model = MoETransformer(cfg, dist.group.WORLD)
-        engine = fxoverlap.optimize(model, dist.group.WORLD,
-                                    fxoverlap.OverlapConfig(delay_wgrad=True, expert_wgrad_slot=2))
-        for n in ns:
-            mbs = make_batches(rank, cfg.vocab_size, n, seed=n)
-            ref_losses, ref = eager_grads(model, mbs)
-            losses = engine.forward_backward(mbs)
-            diff, scale, bitwise = grad_diff(model, ref)
-            model.zero_grad(set_to_none=True)
-            calls = [(node.name, st.stage, st.slot) for node, st in stage_calls(engine.program)]
-            placed = [(calls[i - 1][1], c[2][2]) for i, c in enumerate(calls)
-                      if c[2] is not None and c[1].endswith("_experts_wgrad")]
-            out.append(dict(config=kw, n=n, losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
-                            diff=diff, scale=scale, bitwise=bitwise, placed=placed))
-        engine.close()
+    for engine, rec in _optimize_vs_eager(rank, configs, ns, dict(delay_wgrad=True, expert_wgrad_slot=2)):
+        calls = [(node.name, st.stage, st.slot) for node, st in stage_calls(engine.program)]
+        placed = [(calls[i - 1][1], c[2][2]) for i, c in enumerate(calls)
+                  if c[2] is not None and c[1].endswith("_experts_wgrad")]
+        out.append(dict(rec, placed=placed))
     return out
 
 

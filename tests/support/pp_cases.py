@@ -445,6 +445,30 @@ def _grad_diff(stages: list, names: dict[int, str], ref: dict[str, torch.Tensor]
     return {"missing": missing, "n_grads": count, "max_abs_diff": worst, "max_abs_ref": scale, "grad_rel_l2": rel}
 
 
+def _dp_reference(ep_group, seed: int, n_mb: int, group_of, size: int):
+    """The data-parallel reference of the DP cases: the unpipelined reference model, eager, on
+    this rank's own data (``seed``), each gradient divided by the microbatch count, summed over
+    ``group_of(name)`` (None: not summed) and divided by ``size``, as ``fxoverlap.optimize``
+    reduces them. Returns ``(x, y, losses, gradients by parameter name)``."""
+    g = torch.Generator().manual_seed(seed)
+    model, vocab = _build("ref", ep_group)
+    x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    y = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
+    ref_losses = []
+    for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
+        loss = loss_fn(model(xi), yi)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    ref = {}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            gr = p.grad / n_mb
+            if (group := group_of(k)) is not None:
+                dist.all_reduce(gr, group=group)
+            ref[k] = gr / size
+    return x, y, ref_losses, ref
+
+
 def run_edp_case(rank: int, world: int) -> dict:
     """PP 1 x DP 4 with EP 2 inside (4 ranks): each rank a one-stage pipeline of its own (the
     whole model, Schedule1F1B, 4 microbatches), ``dp_group`` the world, EP groups {0, 1} and
@@ -459,22 +483,8 @@ def run_edp_case(rank: int, world: int) -> dict:
     pp_groups = [dist.new_group([r]) for r in range(world)]
     ep_group, expert_dp_group, pp_group = ep_groups[rank // ep], edp_groups[rank % ep], pp_groups[rank]
     dp_group = dist.group.WORLD
-    g = torch.Generator().manual_seed(100 + rank)
-    model, vocab = _build("ref", ep_group)
-    x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
-    y = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
-    ref_losses = []
-    for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
-        loss = loss_fn(model(xi), yi)
-        loss.backward()
-        ref_losses.append(loss.detach())
-    ref = {}
-    for k, p in model.named_parameters():
-        if p.grad is not None:
-            gr = p.grad / n_mb
-            dist.all_reduce(gr, group=expert_dp_group if _is_expert(k) else dp_group)
-            ref[k] = gr / world
-    del model
+    x, y, ref_losses, ref = _dp_reference(
+        ep_group, 100 + rank, n_mb, lambda k: expert_dp_group if _is_expert(k) else dp_group, world)
 
     model, _ = _build("ref", ep_group)
     names = {id(p): k for k, p in model.named_parameters()}
@@ -515,23 +525,9 @@ def run_dp_case(rank: int, world: int, schedule: str, mode: str = "ddp", opts: d
         g = dist.new_group(list(range(r * dp, (r + 1) * dp)))
         if r == pp_rank:
             dp_group = g
-    g = torch.Generator().manual_seed(100 + dp_rank)
-    model, vocab = _build("ref", ep_group)
-    x = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
-    y = torch.randint(0, vocab, (n_mb * BATCH_PER_MB, SEQ), generator=g)
-    ref_losses = []
-    for xi, yi in zip(x.chunk(n_mb), y.chunk(n_mb)):
-        loss = loss_fn(model(xi), yi)
-        loss.backward()
-        ref_losses.append(loss.detach())
-    ref = {}
-    for k, p in model.named_parameters():
-        if p.grad is not None:
-            gr = p.grad / n_mb
-            if not (ep > 1 and _is_expert(k)):  # an expert's gradient already sums over its EP group's tokens
-                dist.all_reduce(gr, group=dp_group)
-            ref[k] = gr / dp
-    del model
+    # an expert's gradient already sums over its EP group's tokens: nothing to sum it over
+    x, y, ref_losses, ref = _dp_reference(
+        ep_group, 100 + dp_rank, n_mb, lambda k: None if ep > 1 and _is_expert(k) else dp_group, dp)
 
     model, _ = _build("ref", ep_group)
     names = {id(p): k for k, p in model.named_parameters()}
