@@ -129,7 +129,8 @@ def random_experts(rank: int, world: int, experts_draw: bool = True) -> dict:
             layer.moe.experts.p = 0.0  # a dropout with p = 0 draws nothing
     with chunk_log_lines() as lines:
         engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(compiler="eager", chunks=2))
-        mbs = make_batches(rank, RCFG["vocab_size"], 2)
+        # 3 microbatches: 0 and 2 run the chunks, 1 the whole exchange (both versions draw)
+        mbs = make_batches(rank, RCFG["vocab_size"], 3)
         torch.manual_seed(SEED)
         ref_losses = eager_steps(model, mbs)
         ref, state = take_grads(model), torch.get_rng_state()
