@@ -82,6 +82,12 @@ class OverlapConfig:
             own kernels on an internal stream: give that one priority with
             ``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` when creating
             the EP group (``python -m fxoverlap.bench`` does; see docs/benchmarks.md).
+        sm_carveout: SMs the compute stages' GEMMs leave free while fxoverlap's program
+            runs (``torch._C._set_sm_carveout_experimental``: cuBLASLt matmuls,
+            ``torch._grouped_mm``, Inductor's persistent templates), so a comm kernel that
+            starts beside a GEMM finds its SMs free instead of waiting for them or pushing
+            the GEMM's last blocks into a second wave. Set for the program's run and
+            restored after it (``None``: torch's setting is left as it is). CUDA only.
         delay_wgrad: split each backward attn/experts/MLP stage into its input-gradient
             and weight-gradient parts and run the weight-gradient part where it fills an
             exchange's time (``passes/schedule.py``). ``None`` (default):
@@ -173,6 +179,7 @@ class OverlapConfig:
     layer_container: str | None = None
     side_stages: bool = True
     comm_stream_priority: int = -1
+    sm_carveout: int | None = None
     delay_wgrad: bool | None = None
     free_early: bool = True
     cuda_graphs: bool | None = None
@@ -194,6 +201,10 @@ class OverlapConfig:
                                         or self.chunks < 1):
             raise ConfigError(f"OverlapConfig.chunks must be an int >= 1 (1: off) or None (chosen per device), "
                               f"got {self.chunks!r}")
+        if self.sm_carveout is not None and (isinstance(self.sm_carveout, bool) or not isinstance(self.sm_carveout, int)
+                                             or self.sm_carveout < 0):
+            raise ConfigError(f"OverlapConfig.sm_carveout must be a number of SMs >= 0 or None (leave torch's "
+                              f"setting), got {self.sm_carveout!r}")
         if self.expert_wgrad_slot not in (2, 3) or isinstance(self.expert_wgrad_slot, bool):
             raise ConfigError(f"OverlapConfig.expert_wgrad_slot must be 2 (under the F dispatch) or 3 (under the "
                               f"B dispatch), got {self.expert_wgrad_slot!r}")

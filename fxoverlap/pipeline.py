@@ -32,9 +32,10 @@ def make_runner(program: torch.fx.GraphModule, stages: Sequence[Stage], capture:
                 config: OverlapConfig, *, grads: GradSink | None = None, cuda_graphs=None, reducer=None,
                 hook: StageHook | None = None) -> ProgramRunner:
     """The one place a :class:`ProgramRunner` is made (the engine, the backend and the benchmark):
-    the config's runtime options (comm stream priority, memory recording) applied alike."""
+    the config's runtime options (comm stream priority, SM carveout, memory recording) applied alike."""
     return ProgramRunner(program, stages, capture, device, grads=grads,
-                         comm_stream_priority=config.comm_stream_priority, cuda_graphs=cuda_graphs,
+                         comm_stream_priority=config.comm_stream_priority, sm_carveout=config.sm_carveout,
+                         cuda_graphs=cuda_graphs,
                          record_memory=config.record_memory, reducer=reducer, hook=hook)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -121,7 +121,8 @@ class ProgramRunner:
     :class:`fxoverlap.cudagraphs.StageGraphs`) runs the stages the ``cudagraph``
     pass chose; ``record_memory`` keeps a trace of the live bytes of the stores;
     ``reducer`` (a :class:`fxoverlap.grad_reduce.BucketReducer`) runs the gradient
-    reductions that ``passes/reduce.py`` placed.
+    reductions that ``passes/reduce.py`` placed; ``sm_carveout`` SMs are left free by the
+    GEMMs while a part of the program runs (``OverlapConfig.sm_carveout``).
     """
 
     def __init__(
@@ -133,6 +134,7 @@ class ProgramRunner:
         *,
         grads: GradSink | None = None,  # None: gradients are handed out with the outputs
         comm_stream_priority: int = -1,
+        sm_carveout: int | None = None,
         cuda_graphs=None,
         record_memory: bool = False,
         hook: StageHook | None = None,
@@ -145,6 +147,7 @@ class ProgramRunner:
         self.record_memory = record_memory
         self.hook = hook
         self.reducer = reducer
+        self.sm_carveout = sm_carveout  # torch's setting only reaches CUDA kernels; harmless elsewhere
         self._state: RunState | None = None
         self._on_error: Callable | None = None
         self.streams: dict[StreamKind, object] = {}
@@ -263,7 +266,7 @@ class ProgramRunner:
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
         self._state = state
         try:
-            with torch.no_grad():
+            with torch.no_grad(), sm_carveout(self.sm_carveout):
                 if not self.record_memory:
                     for fn, args in self._bound[lo:hi]:
                         fn(*args)
@@ -401,6 +404,21 @@ class ProgramRunner:
     def finish_reduce(self, mb: int, bucket: int) -> None:
         with self._ctx(StreamKind.COMP):
             self.reducer.finish(self._state.stores[mb][bucket_value(bucket)], self.streams.get(StreamKind.COMP))
+
+
+@contextlib.contextmanager
+def sm_carveout(sms: int | None) -> Iterator[None]:
+    """Leave ``sms`` SMs free of the GEMMs inside (torch's process-wide SM carveout), and
+    restore the setting after; ``None``: leave it as it is."""
+    if sms is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
 
 
 def storage_key(t: torch.Tensor) -> tuple:

@@ -217,3 +217,36 @@ def test_bench_cpu_emulated_smoke(tmp_path):
         assert m["T_step_ms"] == m["step_ms"] > 0 and m["T_compute_ms"] > 0 and "hidden_share" in m
     assert "emulated EP-2 rank over an emulated nvlink link" in proc.stdout
     assert "mode (emulated)" in proc.stdout
+
+
+def test_sm_carveout_is_set_while_the_program_runs_and_restored():
+    """``OverlapConfig(sm_carveout=N)``: every stage call sees torch's SM carveout at N (the GEMMs
+    leave N SMs to the comm kernels), and the caller's setting is back after the step, also when
+    a stage fails; bad values are refused with the field's name."""
+    from fxoverlap.runtime import static_values
+
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.tiny(n_layers=2, n_experts=8))
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(compiler="eager", sm_carveout=8))
+    mbs = token_batches(64, 2, (2, 8))
+    seen = []
+
+    def hook(node, stage, run):
+        seen.append(torch._C._get_sm_carveout_experimental())
+        return run()
+
+    before = torch._C._get_sm_carveout_experimental()
+    runner = engine.runner(mbs, hook=hook)
+    runner.run(static_values(engine.plan(mbs).capture, model), mbs)
+    assert seen and set(seen) == {8}
+    assert torch._C._get_sm_carveout_experimental() == before
+
+    def failing(node, stage, run):
+        raise RuntimeError("boom")
+
+    with pytest.raises(Exception, match="boom"):
+        engine.runner(mbs, hook=failing).run(static_values(engine.plan(mbs).capture, model), mbs)
+    assert torch._C._get_sm_carveout_experimental() == before
+    for bad in (-1, True, 1.5):
+        with pytest.raises(fxoverlap.ConfigError, match="sm_carveout"):
+            fxoverlap.OverlapConfig(sm_carveout=bad)
