@@ -923,7 +923,7 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig
             layer_names=[".".join(info.container + (n,)) for n in info.layer_names],
         )
         device = next((t.device for t in example_inputs if t.requires_grad), example_inputs[0].device)
-        stages = build_stages(cap, config, device.type, train)
+        stages = build_stages(cap, config, device.type, train, one_microbatch=True)
     if info.num_layers == 0 and _has_all_to_all(gm) and (hint := graph_break_hint()) is not None:
         raise _Unsupported(f"no decoder layer in this graph; {hint}")
     program = build_program(stages, cap, 1, config, forward_only=not train, weight_last=weight_last and train)

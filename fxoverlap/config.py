@@ -156,7 +156,9 @@ class OverlapConfig:
             exchanges and chunks only add their cost (smaller GEMMs, the rows' copies).
             ``False`` (the default): a layer cut into chunks keeps its whole exchange too,
             and the program runs the chunks for microbatches 0 and N-1 (F(0) and B(0),
-            F(N-1) and B(N-1)) and the whole exchange for the others.
+            F(N-1) and B(N-1)) and the whole exchange for the others; likewise the
+            microbatch pairs of ``engine.forward_only`` run whole exchanges, and a last odd
+            microbatch the chunks.
         expert_wgrad_slot: with ``delay_wgrad``, the merged-step slot in which B experts'
             weight-gradient part runs (``passes/schedule.py``): ``2`` (default) under the F
             dispatch, right after B experts' input-gradient part, so the compute stream fills

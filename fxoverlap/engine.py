@@ -227,7 +227,7 @@ class Engine:
         for i, mb in enumerate(mbs[1:], 1):
             if input_signature(mb) != sig0:
                 raise MicrobatchError(
-                    f"forward_backward: microbatch {i} has inputs {_describe(mb)} but microbatch 0 has "
+                    f"{what}: microbatch {i} has inputs {_describe(mb)} but microbatch 0 has "
                     f"{_describe(mbs[0])}; all microbatches of one call must share shapes and dtypes "
                     f"(a later call may use new shapes: it is captured anew)"
                 )
@@ -288,12 +288,26 @@ class Engine:
         if (sig := input_signature(inputs)) not in self._called:  # the call contract, once per signature
             _check_call(self.model, None, inputs, "engine(*inputs)")
             self._called.add(sig)
-        plan = self._plan(inputs, None, train=False)
-        runner = self._runner(plan, 1, train=False)
-        self._last = (plan, 1)
+        return self._forward_only([inputs])[0]
+
+    def forward_only(self, microbatches: Sequence) -> list:
+        """The model's output for each of ``microbatches``, forward only (inference, evaluation),
+        as ``[model(*mb) for mb in microbatches]`` under ``torch.no_grad()`` gives it.
+
+        The program runs the microbatches in pairs, each one's all-to-alls under the other's
+        compute (two-batch overlap; a last odd one runs alone, cut into ``OverlapConfig.chunks``),
+        unless the forward draws random numbers (dropout in training mode), which pairs would
+        reorder: then one after the other, each cut into chunks, as ``engine(*mb)`` runs.
+        """
+        return self._forward_only(self._check(microbatches, None, "forward_only"))
+
+    def _forward_only(self, mbs: list[tuple]) -> list:
+        plan = self._plan(mbs[0], None, train=False)
+        runner = self._runner(plan, len(mbs), train=False)
+        self._last = (plan, len(mbs))
         with overflow_guard(plan.capture, self.model):
-            state = runner.run(static_values(plan.capture, self.model), [inputs], on_error=self._abort_group)
-        return state.outputs[0][plan.capture.outputs[0]]
+            state = runner.run(static_values(plan.capture, self.model), mbs, on_error=self._abort_group)
+        return [out[plan.capture.outputs[0]] for out in state.outputs]
 
     def close(self) -> None:
         """Release the CUDA graphs this engine captured (and their memory pools).

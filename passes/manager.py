@@ -82,6 +82,9 @@ class PassState:
     config: OverlapConfig
     device_type: str = "cpu"
     train: bool = True
+    # the programs built from these stages run one microbatch (the backend's): no merged steps
+    # or forward pairs, so no whole chains are kept beside the chunks
+    one_microbatch: bool = False
     graph: torch.fx.GraphModule | None = None
     # the graph before ``chunk`` cut it, whose whole exchanges the microbatches of the merged
     # steps run (None: the cut graph is the only one)
@@ -129,7 +132,7 @@ def _rng(st: PassState) -> None:
 
 def _chunk(st: PassState) -> None:
     cut = chunk(st.graph, st.config.resolved_chunks(st.device_type), st.capture.static_placeholders)
-    if cut.layers and st.train and not st.config.chunks_in_merged_steps:
+    if cut.layers and not st.one_microbatch and not st.config.chunks_in_merged_steps:
         st.whole_graph = st.graph  # chunk cut a copy
     st.graph = cut.graph
     if cut.skipped:
@@ -280,9 +283,11 @@ def run_passes(phase: Phase, state: PassState) -> PassState:
     return state
 
 
-def build_stages(capture: Capture, config: OverlapConfig, device_type: str, train: bool = True) -> list[Stage]:
-    """The stages of a capture, chosen for CUDA graphs and compiled as ``config`` says."""
-    return run_passes("stages", PassState(capture, config, device_type, train)).stages
+def build_stages(capture: Capture, config: OverlapConfig, device_type: str, train: bool = True,
+                 one_microbatch: bool = False) -> list[Stage]:
+    """The stages of a capture, chosen for CUDA graphs and compiled as ``config`` says
+    (``one_microbatch``: every program built from them runs one microbatch, as the backend's)."""
+    return run_passes("stages", PassState(capture, config, device_type, train, one_microbatch)).stages
 
 
 def build_program(stages: list[Stage], capture: Capture, num_microbatches: int, config: OverlapConfig,

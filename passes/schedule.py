@@ -63,8 +63,14 @@ last(K-1)``, so each exchange but the first and the last runs under a chunk's ex
 merged steps each slot runs a kind's chunks back to back. Where a layer has both its chunks and
 its whole chain (``chunk.with_whole_chains``; ``OverlapConfig.chunks_in_merged_steps=False``),
 the microbatches that run with no other beside them, 0 and N-1 (F(0) and B(N-1), and the
-other half of each: B(0), F(N-1)), run the chunks, the others the whole chain; a
-forward-only program runs the chunks in every microbatch.
+other half of each: B(0), F(N-1)), run the chunks, the others the whole chain.
+
+A forward-only program (inference: ``engine.forward_only(microbatches)``) runs its
+microbatches in pairs F(2k) ⊗ F(2k+1), layer by layer, each one's exchanges under the other's
+attn and experts (two-batch overlap, ``_Emitter.forward_pair``), with their whole chains; a
+last odd microbatch runs alone, with the chunks. Where a forward stage draws random numbers
+(dropout in training mode under ``no_grad``), pairing would interleave two microbatches'
+draws, so every microbatch runs alone, in order, with the chunks.
 
 Random ops draw in eager's order: every draw of microbatch ``i`` comes after the
 draws eager makes before it (its own earlier ones, and all of microbatch ``i - 1``'s),
@@ -207,6 +213,30 @@ class _Emitter:
             self.emit(self.layer_order(F, layer, mb), mb)
         self.emit(self.get(F, num_layers, K.HEAD, mb), mb)
 
+    def forward_pair(self, a: int, b: int, num_layers: int) -> None:
+        """F(a) and F(b) of a forward-only program in turns, layer by layer, so each one's
+        exchanges run under the other's compute (two-batch overlap):
+
+            compute | post_a(j-1) attn_a(j) | post_b(j-1) attn_b(j) | experts_a(j) | experts_b(j)
+            comm    | combine_b(j-1)        | dispatch_a(j)         | dispatch_b(j) | combine_a(j)
+
+        (combine_b(j) runs under the next layer's post_a and attn_a.)"""
+        for mb in (a, b):
+            self.emit(self.get(F, -1, K.EMBED, mb), mb)
+        for layer in range(num_layers):
+            for mb in (a, b):
+                if layer:
+                    self.emit(self.get(F, layer - 1, K.POST, mb), mb)
+                self.emit(self.get(F, layer, K.ATTN, mb), mb)
+                self.emit(self.get(F, layer, K.DISPATCH, mb), mb)
+                self.emit(self.part(self.get(F, layer, K.ATTN, mb), Part.SIDE), mb)
+            for mb in (a, b):
+                self.emit(self.get(F, layer, K.EXPERTS, mb) + self.get(F, layer, K.MLP, mb), mb)
+                self.emit(self.get(F, layer, K.COMBINE, mb), mb)
+        for mb in (a, b):
+            self.emit(self.get(F, num_layers - 1, K.POST, mb), mb)
+            self.emit(self.get(F, num_layers, K.HEAD, mb), mb)
+
     def backward(self, mb: int, num_layers: int, weight_last: bool = False) -> None:
         """What is left of B(mb), in plain order, each wgrad part after the next comm stage
         (``weight_last``: every wgrad part after all of B's input-gradient work)."""
@@ -283,8 +313,15 @@ def schedule(
     if expert_wgrad_slot not in (2, 3):
         raise ScheduleError(f"schedule: expert_wgrad_slot is 2 or 3, not {expert_wgrad_slot!r}")
     num_layers = capture.num_layers
+    # a forward-only program runs its microbatches in pairs, unless that would reorder random draws
+    pairs = forward_only and not any(s.draws for s in stages if s.direction is F)
     # the microbatches with no other beside them run the chunks (where a layer has both)
-    alone = set(range(num_microbatches)) if forward_only else {0, num_microbatches - 1}
+    if not forward_only:
+        alone = {0, num_microbatches - 1}
+    elif pairs:
+        alone = {num_microbatches - 1} if num_microbatches % 2 else set()
+    else:
+        alone = set(range(num_microbatches))
     e = _Emitter(stages, capture, alone, expert_wgrad_slot)
     for r in stages:
         if r.kind in RECOMPUTE_KINDS:
@@ -293,13 +330,16 @@ def schedule(
                 raise InternalError(f"schedule: no stage reads the outputs of recompute stage {r.name}")
             for s in readers:
                 e.recompute_for.setdefault(s.name, []).append(r)
-    e.forward(0, num_layers)
     if not forward_only:
+        e.forward(0, num_layers)
         for i in range(1, num_microbatches):
             e.merged(i, i, i - 1, num_layers)
         e.backward(num_microbatches - 1, num_layers, weight_last)
     else:
-        for mb in range(1, num_microbatches):
+        paired = num_microbatches - num_microbatches % 2 if pairs else 0
+        for mb in range(0, paired, 2):
+            e.forward_pair(mb, mb + 1, num_layers)
+        for mb in range(paired, num_microbatches):
             e.forward(mb, num_layers)
     expected = [s for s in stages if not forward_only or s.direction is F]
     missing = [(s.name, mb) for mb in range(num_microbatches) for s in expected

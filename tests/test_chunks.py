@@ -117,6 +117,29 @@ def test_forward_only():
             names = {s[0] for s in r[key]}
             assert {"fwd_l1_dispatch_c1", "fwd_l1_experts_c1"} <= names, (key, names)
             assert all(s[2] == "fwd" for s in r[key])
+        # engine.forward_only: the backend keeps no whole chains (one microbatch per call), the
+        # engine does, for its pairs
+        assert "fwd_l0_dispatch" not in {s[0] for s in r["backend_stages"]}
+        assert r["paired_bitwise"]
+        calls = r["paired_calls"]
+        order = [c for c in calls if c.startswith(("F0_l0_", "F1_l0_")) and not c.endswith("_side")]
+        assert order[:6] == ["F0_l0_attn", "F0_l0_dispatch", "F1_l0_attn", "F1_l0_dispatch",
+                             "F0_l0_experts", "F0_l0_combine"], order
+        assert calls.index("F1_l1_combine") < min(i for i, c in enumerate(calls) if c.startswith("F2_"))  # odd one last
+        assert {c for c in calls if c.startswith("F2_l0_experts")} == {"F2_l0_experts_c0", "F2_l0_experts_c1"}
+        assert not any(c.startswith("F0_l0_experts_c") for c in calls)
+
+
+def test_forward_only_with_random_draws_runs_microbatches_in_order():
+    """A forward that draws (dropout in training mode under no_grad): ``forward_only`` runs the
+    microbatches one after the other (pairs would interleave their draws): eager's outputs and
+    generator state."""
+    for r in run_distributed_once(chunk_cases.one_microbatch_modes, 2):
+        r = r["random_elsewhere"]["forward_only"]
+        assert r["bitwise"] and r["generator_equal"]
+        calls = r["calls"]
+        assert max(i for i, c in enumerate(calls) if c.startswith("F0_")) < min(
+            i for i, c in enumerate(calls) if c.startswith("F1_")), calls
 
 
 def test_hugging_face_family():

@@ -16,7 +16,9 @@ the same weights and microbatches, the modes ``--modes`` names (default all):
 * **fxoverlap**: ``fxoverlap.optimize(model, group).forward_backward(microbatches)``
 
 Forward-only modes (``--modes fwd_eager,fwd_compile,fwd_backend,fwd_fxoverlap``, under
-``torch.no_grad()``; ``fwd_fxoverlap`` is ``engine(*mb)`` per microbatch) are not in the default.
+``torch.no_grad()``; ``fwd_fxoverlap`` is ``engine.forward_only(microbatches)``, microbatches in
+pairs; ``fwd_fxoverlap_each`` is ``engine(*mb)`` per microbatch, each cut into chunks) are not in
+the default.
 
 **Emulated EP** (``--emulate-ep N --link {nvlink,p2p_off,ib400,none}`` or ``--link-gbps X
 --link-latency-us Y``, ``--skew S``; one process, no torchrun needed): the model is one

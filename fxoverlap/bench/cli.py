@@ -18,7 +18,7 @@ from fxoverlap.models.moe import MoEConfig
 MODES = ("eager", "compile", "backend", "fxoverlap")
 # Forward only, under torch.no_grad(): the model, torch.compile(model), the backend (which
 # runs its plain graph without grad) and the engine's forward (``engine(*mb)``).
-FORWARD_MODES = ("fwd_eager", "fwd_compile", "fwd_backend", "fwd_fxoverlap")
+FORWARD_MODES = ("fwd_eager", "fwd_compile", "fwd_backend", "fwd_fxoverlap", "fwd_fxoverlap_each")
 ALL_MODES = MODES + FORWARD_MODES
 
 

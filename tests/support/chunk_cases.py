@@ -99,18 +99,22 @@ def forward_only(rank: int, world: int, chunks: int) -> dict:
     """Inference: ``engine(x)`` and the backend under ``no_grad`` / ``eval`` against eager logits."""
     torch._dynamo.reset()
     model = _model(dist.group.WORLD, {})
-    xs = [tokens for tokens, _ in make_batches(rank, CFG["vocab_size"], 2)]
+    xs = [tokens for tokens, _ in make_batches(rank, CFG["vocab_size"], 3)]
     with torch.no_grad():
         want = [model(x) for x in xs]
         engine = fxoverlap.optimize(model, dist.group.WORLD, fxoverlap.OverlapConfig(compiler="eager", chunks=chunks))
         got = [engine(x) for x in xs]
         engine_stages = _stages(engine.stages)
+        # 3 microbatches: 0 and 1 in a pair (whole exchanges), 2 alone (chunks)
+        paired = engine.forward_only([(x,) for x in xs])
+        paired_calls = _calls(engine.program)
         model.eval()
         compiled = torch.compile(model, backend="fxoverlap", options={"chunks": chunks})
         backend = [compiled(x) for x in xs]
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
     return dict(engine_rel=max(rel(a, b) for a, b in zip(got, want)),
                 engine_bitwise=all(torch.equal(a, b) for a, b in zip(got, want)),
+                paired_bitwise=all(torch.equal(a, b) for a, b in zip(paired, want)), paired_calls=paired_calls,
                 backend_rel=max(rel(a, b) for a, b in zip(backend, want)),
                 engine_stages=engine_stages, backend_stages=_stages(fxoverlap.backend.last_stages()))
 
@@ -137,7 +141,16 @@ def random_experts(rank: int, world: int, experts_draw: bool = True) -> dict:
         torch.manual_seed(SEED)
         losses = engine.forward_backward(mbs)
         generator_equal = torch.equal(state, torch.get_rng_state())
-    return dict(stages=_stages(engine.stages), log=lines,
+        # forward-only with draws (train mode under no_grad): no pairs, the draws stay eager's
+        with torch.no_grad():
+            torch.manual_seed(SEED)
+            want = [model(*mb) for mb in mbs[:2]]
+            state = torch.get_rng_state()
+            torch.manual_seed(SEED)
+            got = engine.forward_only(mbs[:2])
+        forward_only = dict(bitwise=all(torch.equal(a, b) for a, b in zip(got, want)),
+                            generator_equal=torch.equal(state, torch.get_rng_state()), calls=_calls(engine.program))
+    return dict(stages=_stages(engine.stages), log=lines, forward_only=forward_only,
                 generator_equal=generator_equal, **_compare(losses, ref_losses, model, ref))
 
 
