@@ -20,6 +20,10 @@ DEFAULT_CUDA_CHUNKS = 2
 # OverlapConfig(delay_wgrad=None) on CUDA: measured 2-4 % faster steps with the weight gradients
 # split off (expert_wgrad_slot=2), docs/benchmarks.md "where the merged steps lose time".
 DEFAULT_CUDA_DELAY_WGRAD = True
+# OverlapConfig(sm_carveout=None) on CUDA: SMs the GEMMs leave to the comm kernels. Measured (one
+# H200, emulated EP 8, 16-block comm kernels; docs/benchmarks.md, 2026-12-02 eighth session): 24
+# took 4.7 % off optimize's step, 16 2.5 %, 32 2.4 %.
+DEFAULT_CUDA_SM_CARVEOUT = 24
 
 
 class ConfigError(FxOverlapError, ValueError):
@@ -83,11 +87,14 @@ class OverlapConfig:
             ``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` when creating
             the EP group (``python -m fxoverlap.bench`` does; see docs/benchmarks.md).
         sm_carveout: SMs the compute stages' GEMMs leave free while fxoverlap's program
-            runs (``torch._C._set_sm_carveout_experimental``: cuBLASLt matmuls,
+            runs (torch's ``torch._C._set_sm_carveout_experimental``: cuBLAS matmuls,
             ``torch._grouped_mm``, Inductor's persistent templates), so a comm kernel that
-            starts beside a GEMM finds its SMs free instead of waiting for them or pushing
-            the GEMM's last blocks into a second wave. Set for the program's run and
-            restored after it (``None``: torch's setting is left as it is). CUDA only.
+            starts beside a GEMM finds SMs free instead of waiting for them, and the GEMM's
+            last blocks are not pushed into a second wave. Set for each run of the program
+            and restored after it. ``None`` (default): :data:`DEFAULT_CUDA_SM_CARVEOUT` on
+            CUDA (measured with the emulated link's 16-block comm kernel: a real NCCL or
+            DeepEP kernel may take another number of SMs; tune it to yours), torch's
+            setting left as it is elsewhere; ``0``: GEMMs use every SM.
         delay_wgrad: split each backward attn/experts/MLP stage into its input-gradient
             and weight-gradient parts and run the weight-gradient part where it fills an
             exchange's time (``passes/schedule.py``). ``None`` (default):
@@ -246,6 +253,12 @@ class OverlapConfig:
         if self.delay_wgrad is not None:
             return self.delay_wgrad
         return DEFAULT_CUDA_DELAY_WGRAD and device_type == "cuda"
+
+    def resolved_sm_carveout(self, device_type: str) -> int | None:
+        """The SM carveout the runtime sets on ``device_type`` (None: it leaves torch's)."""
+        if self.sm_carveout is not None:
+            return self.sm_carveout
+        return DEFAULT_CUDA_SM_CARVEOUT if device_type == "cuda" else None
 
     def resolved_compiler(self, device_type: str) -> str:
         """The compiler for a model whose parameters live on ``device_type``."""

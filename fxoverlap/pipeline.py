@@ -34,7 +34,7 @@ def make_runner(program: torch.fx.GraphModule, stages: Sequence[Stage], capture:
     """The one place a :class:`ProgramRunner` is made (the engine, the backend and the benchmark):
     the config's runtime options (comm stream priority, SM carveout, memory recording) applied alike."""
     return ProgramRunner(program, stages, capture, device, grads=grads,
-                         comm_stream_priority=config.comm_stream_priority, sm_carveout=config.sm_carveout,
+                         comm_stream_priority=config.comm_stream_priority, sm_carveout=config.resolved_sm_carveout(device.type),
                          cuda_graphs=cuda_graphs,
                          record_memory=config.record_memory, reducer=reducer, hook=hook)
 

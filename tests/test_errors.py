@@ -394,9 +394,11 @@ def test_backend_refuses_merged_step_options():
 def test_per_device_defaults():
     """``None`` fields resolve per device: CPU keeps the bitwise-eager program (no chunks, no
     delayed weight gradients), CUDA gets the measured defaults (docs/benchmarks.md, 2026-12-02)."""
-    from fxoverlap.config import DEFAULT_CUDA_CHUNKS, DEFAULT_CUDA_DELAY_WGRAD
+    from fxoverlap.config import DEFAULT_CUDA_CHUNKS, DEFAULT_CUDA_DELAY_WGRAD, DEFAULT_CUDA_SM_CARVEOUT
 
     cfg = fxoverlap.OverlapConfig()
     assert cfg.resolved_chunks("cpu") == 1 and cfg.resolved_delay_wgrad("cpu") is False
     assert cfg.resolved_chunks("cuda") == DEFAULT_CUDA_CHUNKS and cfg.resolved_delay_wgrad("cuda") is DEFAULT_CUDA_DELAY_WGRAD
     assert fxoverlap.OverlapConfig(delay_wgrad=False).resolved_delay_wgrad("cuda") is False
+    assert cfg.resolved_sm_carveout("cpu") is None and cfg.resolved_sm_carveout("cuda") == DEFAULT_CUDA_SM_CARVEOUT
+    assert fxoverlap.OverlapConfig(sm_carveout=0).resolved_sm_carveout("cuda") == 0

@@ -198,14 +198,25 @@ def test_schedule_recompute_right_before_its_first_reader():
 
 
 def test_schedule_forward_only():
+    """Forward-only: microbatches in pairs, each one's exchanges issued between the other's
+    compute (F0 attn, F0 dispatch, F1 attn, F1 dispatch, F0 experts, F0 combine, F1 experts, ...),
+    a last odd one alone in plain order."""
     stages, cap = model_stages("mm", side=True)
-    program = schedule(stages, cap, 2, forward_only=True)
     fwd = [s.name.split("_", 1)[1] for s in stages if s.direction is F]
     plain = [s for s in fwd if not s.endswith("_side")]
     for layer in (0, 1):  # the side part right after its dispatch, as in F(0)
         plain.insert(plain.index(f"l{layer}_dispatch") + 1, f"l{layer}_attn_side")
-    assert _calls(program) == [(f"F{mb}_{s}", None) for mb in range(2) for s in plain]
-    check_dataflow(program, stages, 2, forward_only=True)
+    pair = ["F0_model_embed", "F1_model_embed"]
+    for layer in (0, 1):
+        for mb in (0, 1):
+            pair += [f"F{mb}_l{layer - 1}_post"] * (layer > 0)
+            pair += [f"F{mb}_l{layer}_{k}" for k in ("attn", "dispatch", "attn_side")]
+        pair += [f"F{mb}_l{layer}_{k}" for mb in (0, 1) for k in ("experts", "combine")]
+    pair += [f"F{mb}_{k}" for mb in (0, 1) for k in ("l1_post", "model_head")]
+    for n, want in ((1, [f"F0_{s}" for s in plain]), (2, pair), (3, pair + [f"F2_{s}" for s in plain])):
+        program = schedule(stages, cap, n, forward_only=True)
+        assert _calls(program) == [(c, None) for c in want], n
+        check_dataflow(program, stages, n, forward_only=True)
     targets = {n.target for n in program.graph.nodes if n.op == "call_function"}
     assert targets == {program_ops.output, program_ops.mutate}
 
