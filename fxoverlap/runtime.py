@@ -27,7 +27,7 @@ from fxoverlap.ir.meta import STEP_KEY
 from fxoverlap.ir.capture import Capture, inner_value
 from fxoverlap.ir.errors import FxOverlapError, InternalError
 from fxoverlap.ir.program import Step, bucket_value
-from fxoverlap.ir.stage import Direction, Part, Stage, StreamKind
+from fxoverlap.ir.stage import Direction, Part, Stage, StageKind, StreamKind
 
 # A hook wraps every stage call: hook(node, stage, run) must call run() (which
 # runs the stage on its inputs, on its stream) and return its outputs.
@@ -122,7 +122,7 @@ class ProgramRunner:
     pass chose; ``record_memory`` keeps a trace of the live bytes of the stores;
     ``reducer`` (a :class:`fxoverlap.grad_reduce.BucketReducer`) runs the gradient
     reductions that ``passes/reduce.py`` placed; ``sm_carveout`` SMs are left free by the
-    GEMMs while a part of the program runs (``OverlapConfig.sm_carveout``).
+    experts stages' grouped GEMMs (``OverlapConfig.sm_carveout``).
     """
 
     def __init__(
@@ -266,7 +266,7 @@ class ProgramRunner:
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
         self._state = state
         try:
-            with torch.no_grad(), sm_carveout(self.sm_carveout):
+            with torch.no_grad():
                 if not self.record_memory:
                     for fn, args in self._bound[lo:hi]:
                         fn(*args)
@@ -344,9 +344,13 @@ class ProgramRunner:
                     return outs
                 return stage(*args)
 
+            # the experts' grouped GEMMs (persistent kernels, one block per SM) leave the comm
+            # kernels their SMs; the others use every SM (docs/design.md, "SM carveout")
+            carve = self.sm_carveout if stage.kind is StageKind.EXPERTS else None
             try:
                 # a hook (the benchmark's) wraps the call the step makes, graphs included
-                outs = run() if self.hook is None else self.hook(node, stage, run)
+                with sm_carveout(carve):
+                    outs = run() if self.hook is None else self.hook(node, stage, run)
                 if self.cuda_graphs is not None:
                     self.cuda_graphs.note_reads(args)
             except Exception as e:

@@ -219,10 +219,11 @@ def test_bench_cpu_emulated_smoke(tmp_path):
     assert "mode (emulated)" in proc.stdout
 
 
-def test_sm_carveout_is_set_while_the_program_runs_and_restored():
-    """``OverlapConfig(sm_carveout=N)``: every stage call sees torch's SM carveout at N (the GEMMs
-    leave N SMs to the comm kernels), and the caller's setting is back after the step, also when
-    a stage fails; bad values are refused with the field's name."""
+def test_sm_carveout_is_set_for_the_experts_stages_and_restored():
+    """``OverlapConfig(sm_carveout=N)``: every experts stage call sees torch's SM carveout at N
+    (its grouped GEMMs leave N SMs to the comm kernels), every other stage the caller's setting,
+    which is back after the step, also when a stage fails; bad values are refused with the
+    field's name."""
     from fxoverlap.runtime import static_values
 
     torch.manual_seed(0)
@@ -232,13 +233,15 @@ def test_sm_carveout_is_set_while_the_program_runs_and_restored():
     seen = []
 
     def hook(node, stage, run):
-        seen.append(torch._C._get_sm_carveout_experimental())
+        seen.append((str(stage.kind), torch._C._get_sm_carveout_experimental()))
         return run()
 
     before = torch._C._get_sm_carveout_experimental()
     runner = engine.runner(mbs, hook=hook)
     runner.run(static_values(engine.plan(mbs).capture, model), mbs)
-    assert seen and set(seen) == {8}
+    assert {c for k, c in seen if k == "experts"} == {8}
+    assert {c for k, c in seen if k != "experts"} == {before}
+    assert {k for k, _ in seen} >= {"experts", "attn", "dispatch"}
     assert torch._C._get_sm_carveout_experimental() == before
 
     def failing(node, stage, run):
