@@ -20,9 +20,10 @@ DEFAULT_CUDA_CHUNKS = 2
 # OverlapConfig(delay_wgrad=None) on CUDA: measured 2-4 % faster steps with the weight gradients
 # split off (expert_wgrad_slot=2), docs/benchmarks.md "where the merged steps lose time".
 DEFAULT_CUDA_DELAY_WGRAD = True
-# OverlapConfig(sm_carveout=None) on CUDA: SMs the GEMMs leave to the comm kernels. Measured (one
-# H200, emulated EP 8, 16-block comm kernels; docs/benchmarks.md, 2026-12-02 eighth session): 24
-# took 4.7 % off optimize's step, 16 2.5 %, 32 2.4 %.
+# OverlapConfig(sm_carveout=None) on CUDA: SMs the experts' GEMMs leave to the comm kernels. Measured
+# (one H200, emulated EP 8 at 100 GB/s, 16-block comm kernels; docs/benchmarks.md, 2026-12-02 eighth
+# session): 24 on the experts stages took 6.5 % off optimize's step (on every stage: 16 2.5 %, 24
+# 4.7 %, 32 2.4 %); it costs 2.3 % at EP 2 over NVLink.
 DEFAULT_CUDA_SM_CARVEOUT = 24
 
 
@@ -86,12 +87,14 @@ class OverlapConfig:
             own kernels on an internal stream: give that one priority with
             ``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` when creating
             the EP group (``python -m fxoverlap.bench`` does; see docs/benchmarks.md).
-        sm_carveout: SMs the compute stages' GEMMs leave free while fxoverlap's program
-            runs (torch's ``torch._C._set_sm_carveout_experimental``: cuBLAS matmuls,
-            ``torch._grouped_mm``, Inductor's persistent templates), so a comm kernel that
-            starts beside a GEMM finds SMs free instead of waiting for them, and the GEMM's
-            last blocks are not pushed into a second wave. Set for each run of the program
-            and restored after it. ``None`` (default): :data:`DEFAULT_CUDA_SM_CARVEOUT` on
+        sm_carveout: SMs the experts' grouped GEMMs leave free (torch's
+            ``torch._C._set_sm_carveout_experimental``, which ``torch._grouped_mm``, cuBLAS and
+            Inductor's persistent templates read), so a comm kernel beside them finds SMs free
+            and their last blocks are not pushed into a second wave (measured 1.6-1.7x slower
+            beside the emulated comm kernel without it, 1.01-1.04x with 24; cuBLAS GEMMs and
+            SDPA gain nothing from it, so they keep every SM). Set around each experts stage call
+            of a run whose exchanges run comm kernels (more than one EP rank, or the emulated
+            link), and restored after it. ``None`` (default): :data:`DEFAULT_CUDA_SM_CARVEOUT` on
             CUDA (measured with the emulated link's 16-block comm kernel: a real NCCL or
             DeepEP kernel may take another number of SMs; tune it to yours), torch's
             setting left as it is elsewhere; ``0``: GEMMs use every SM.

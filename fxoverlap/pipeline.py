@@ -9,6 +9,7 @@ reference the interleaved program must equal (it runs a program, so it sits abov
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,7 @@ from fxoverlap.passes.manager import (PASSES, SWITCHABLE, Pass, PassState, build
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
 from fxoverlap.config import OverlapConfig
+from fxoverlap.kernels import emulated_link
 from fxoverlap.runtime import GradSink, ProgramRunner, StageHook, accumulate_into, static_values
 
 __all__ = ["PASSES", "SWITCHABLE", "Pass", "PassState", "build_program", "build_stages", "check_disable_passes",
@@ -34,7 +36,10 @@ def make_runner(program: torch.fx.GraphModule, stages: Sequence[Stage], capture:
     """The one place a :class:`ProgramRunner` is made (the engine, the backend and the benchmark):
     the config's runtime options (comm stream priority, SM carveout, memory recording) applied alike."""
     return ProgramRunner(program, stages, capture, device, grads=grads,
-                         comm_stream_priority=config.comm_stream_priority, sm_carveout=config.resolved_sm_carveout(device.type),
+                         comm_stream_priority=config.comm_stream_priority,
+                         sm_carveout=config.resolved_sm_carveout(device.type),
+                         # more than one EP rank (or a group not known), or the emulated link's hold
+                         comm_kernels_run=functools.partial(emulated_link.exchange_takes_sms, capture.ep_size),
                          cuda_graphs=cuda_graphs,
                          record_memory=config.record_memory, reducer=reducer, hook=hook)
 

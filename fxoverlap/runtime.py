@@ -122,7 +122,8 @@ class ProgramRunner:
     pass chose; ``record_memory`` keeps a trace of the live bytes of the stores;
     ``reducer`` (a :class:`fxoverlap.grad_reduce.BucketReducer`) runs the gradient
     reductions that ``passes/reduce.py`` placed; ``sm_carveout`` SMs are left free by the
-    experts stages' grouped GEMMs (``OverlapConfig.sm_carveout``).
+    experts stages' grouped GEMMs (``OverlapConfig.sm_carveout``) in a run whose exchanges run
+    comm kernels (``comm_kernels_run()``, asked at each run).
     """
 
     def __init__(
@@ -135,6 +136,7 @@ class ProgramRunner:
         grads: GradSink | None = None,  # None: gradients are handed out with the outputs
         comm_stream_priority: int = -1,
         sm_carveout: int | None = None,
+        comm_kernels_run: Callable[[], bool] = lambda: True,
         cuda_graphs=None,
         record_memory: bool = False,
         hook: StageHook | None = None,
@@ -148,6 +150,8 @@ class ProgramRunner:
         self.hook = hook
         self.reducer = reducer
         self.sm_carveout = sm_carveout  # torch's setting only reaches CUDA kernels; harmless elsewhere
+        self.comm_kernels_run = comm_kernels_run  # asked at each run: does its exchange run comm kernels?
+        self._carveout: int | None = None  # this run's (execute)
         self._state: RunState | None = None
         self._on_error: Callable | None = None
         self.streams: dict[StreamKind, object] = {}
@@ -265,6 +269,8 @@ class ProgramRunner:
                 # the backward starts: its comm work follows what came before it
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
         self._state = state
+        # no comm kernel runs beside the experts (one rank, no emulated link): nothing to leave SMs to
+        self._carveout = self.sm_carveout if self.comm_kernels_run() else None
         try:
             with torch.no_grad():
                 if not self.record_memory:
@@ -346,7 +352,7 @@ class ProgramRunner:
 
             # the experts' grouped GEMMs (persistent kernels, one block per SM) leave the comm
             # kernels their SMs; the others use every SM (docs/design.md, "SM carveout")
-            carve = self.sm_carveout if stage.kind is StageKind.EXPERTS else None
+            carve = self._carveout if stage.kind is StageKind.EXPERTS else None
             try:
                 # a hook (the benchmark's) wraps the call the step makes, graphs included
                 with sm_carveout(carve):

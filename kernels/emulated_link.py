@@ -231,6 +231,12 @@ def hold(op: str, nbytes: int, device: torch.device) -> None:
         time.sleep(seconds)
 
 
+def exchange_takes_sms(ep_size: int | None) -> bool:
+    """Whether an exchange over ``ep_size`` ranks runs a comm kernel beside the compute here: a
+    real one (more than one rank, or a group not known), or the emulated link's hold."""
+    return ep_size is None or ep_size > 1 or _link is not None
+
+
 def row_bytes(x: torch.Tensor) -> int:
     """Bytes of one row (dim 0) of ``x``."""
     return (x.numel() // max(x.shape[0], 1) if x.dim() else 1) * x.element_size()

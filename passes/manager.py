@@ -115,7 +115,7 @@ class Pass:
 
 def _dispatcher(st: PassState) -> None:
     lowering = dispatcher(st.capture.graph_module, st.config.dispatcher, st.config.dispatch_capacity_factor)
-    st.capture.dispatcher, st.capture.overflow = lowering.backend, lowering.overflow
+    st.capture.dispatcher, st.capture.overflow, st.capture.ep_size = lowering.backend, lowering.overflow, lowering.ep_size
 
 
 def _tag(st: PassState) -> None:

@@ -54,6 +54,7 @@ def test_optimize_matches_eager(i):
         k = v["config"]["chunks"]
         for r in rows:
             _close(r)
+            assert r["ep_size"] == 2  # the dispatcher pass read the exchanges' group
             chunked = [s for s in r["stages"] if s[4] is not None and not s[0].endswith("_wgrad")]
             # every MoE layer: k chunks of each of the six kinds x directions
             for layer in (0, 1):

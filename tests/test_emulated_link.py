@@ -220,10 +220,11 @@ def test_bench_cpu_emulated_smoke(tmp_path):
 
 
 def test_sm_carveout_is_set_for_the_experts_stages_and_restored():
-    """``OverlapConfig(sm_carveout=N)``: every experts stage call sees torch's SM carveout at N
-    (its grouped GEMMs leave N SMs to the comm kernels), every other stage the caller's setting,
-    which is back after the step, also when a stage fails; bad values are refused with the
-    field's name."""
+    """``OverlapConfig(sm_carveout=N)``: where the exchanges run comm kernels (here the emulated
+    link's: one rank), every experts stage call sees torch's SM carveout at N (its grouped GEMMs
+    leave N SMs to them), every other stage the caller's setting, which is back after the step,
+    also when a stage fails. One rank without the link runs no comm kernel: no carveout. Bad
+    values are refused with the field's name."""
     from fxoverlap.runtime import static_values
 
     torch.manual_seed(0)
@@ -238,18 +239,29 @@ def test_sm_carveout_is_set_for_the_experts_stages_and_restored():
 
     before = torch._C._get_sm_carveout_experimental()
     runner = engine.runner(mbs, hook=hook)
-    runner.run(static_values(engine.plan(mbs).capture, model), mbs)
+    static = static_values(engine.plan(mbs).capture, model)
+    runner.run(static, mbs)  # one rank, no link: nothing beside the experts
+    assert seen and {c for _, c in seen} == {before}
+    seen.clear()
+    with el.using(el.preset("nvlink", ep=2, experts=8)), el.standin(el.Counter()):
+        runner.run(static, mbs)
     assert {c for k, c in seen if k == "experts"} == {8}
     assert {c for k, c in seen if k != "experts"} == {before}
     assert {k for k, _ in seen} >= {"experts", "attn", "dispatch"}
     assert torch._C._get_sm_carveout_experimental() == before
 
     def failing(node, stage, run):
-        raise RuntimeError("boom")
+        if str(stage.kind) == "experts":  # inside the carveout
+            raise RuntimeError("boom")
+        return run()
 
-    with pytest.raises(Exception, match="boom"):
-        engine.runner(mbs, hook=failing).run(static_values(engine.plan(mbs).capture, model), mbs)
+    with pytest.raises(Exception, match="boom"), el.using(el.preset("nvlink", ep=2, experts=8)):
+        engine.runner(mbs, hook=failing).run(static, mbs)
     assert torch._C._get_sm_carveout_experimental() == before
     for bad in (-1, True, 1.5):
         with pytest.raises(fxoverlap.ConfigError, match="sm_carveout"):
             fxoverlap.OverlapConfig(sm_carveout=bad)
+    # when a comm kernel runs: more than one rank or an unknown group, or the emulated link
+    assert (el.exchange_takes_sms(1), el.exchange_takes_sms(2), el.exchange_takes_sms(None)) == (False, True, True)
+    with el.using(el.preset("nvlink", ep=2)):
+        assert el.exchange_takes_sms(1)

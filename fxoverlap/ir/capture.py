@@ -129,6 +129,8 @@ class Capture:
     # lower), and the overflow flags of a capacity below the worst case (None: nothing can overflow)
     dispatcher: str | None = None
     overflow: OverflowFlags | None = None
+    # the EP group size of fxoverlap's exchanges (the dispatcher pass); None: unknown (none of them)
+    ep_size: int | None = None
 
     @property
     def loss_name(self) -> str:

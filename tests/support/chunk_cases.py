@@ -75,6 +75,7 @@ def optimize_vs_eager(rank: int, world: int, variants: list[dict]) -> list[dict]
             ref = take_grads(model)
             losses = engine.forward_backward(mbs)
             out.append(dict(variant=v, n=n, stages=_stages(engine.stages), calls=_calls(engine.program),
+                            ep_size=engine.plan(mbs).capture.ep_size,
                             table=engine.stage_table(), **_compare(losses, ref_losses, model, ref)))
     return out
 
