@@ -147,7 +147,7 @@ class Engine:
         return p.device if p is not None else torch.device("cpu")
 
     def _plan(self, inputs: Sequence[torch.Tensor], loss_fn: Callable | None, train: bool) -> Plan:
-        key = (input_signature(inputs), loss_fn if train else None, train)
+        key = (input_signature(inputs), loss_fn, train)  # forward-only: loss_fn is forward_only's output_fn
         plan = self._plans.get(key)
         if plan is None:
             log.info("fxoverlap: capturing %s for input signature %s", type(self.model).__name__, key[0])
@@ -288,21 +288,23 @@ class Engine:
         if (sig := input_signature(inputs)) not in self._called:  # the call contract, once per signature
             _check_call(self.model, None, inputs, "engine(*inputs)")
             self._called.add(sig)
-        return self._forward_only([inputs])[0]
+        return self._forward_only([inputs], None)[0]
 
-    def forward_only(self, microbatches: Sequence) -> list:
+    def forward_only(self, microbatches: Sequence, output_fn: Callable | None = None) -> list:
         """The model's output for each of ``microbatches``, forward only (inference, evaluation),
-        as ``[model(*mb) for mb in microbatches]`` under ``torch.no_grad()`` gives it.
+        as ``[model(*mb) for mb in microbatches]`` under ``torch.no_grad()`` gives it; with
+        ``output_fn``, ``[output_fn(model(*mb), *mb) ...]``, which must be one tensor (e.g.
+        ``lambda out, ids: out.logits`` for a Hugging Face model's output object).
 
         The program runs the microbatches in pairs, each one's all-to-alls under the other's
         compute (two-batch overlap; a last odd one runs alone, cut into ``OverlapConfig.chunks``),
         unless the forward draws random numbers (dropout in training mode), which pairs would
         reorder: then one after the other, each cut into chunks, as ``engine(*mb)`` runs.
         """
-        return self._forward_only(self._check(microbatches, None, "forward_only"))
+        return self._forward_only(self._check(microbatches, None, "forward_only"), output_fn)
 
-    def _forward_only(self, mbs: list[tuple]) -> list:
-        plan = self._plan(mbs[0], None, train=False)
+    def _forward_only(self, mbs: list[tuple], output_fn: Callable | None) -> list:
+        plan = self._plan(mbs[0], output_fn, train=False)
         runner = self._runner(plan, len(mbs), train=False)
         self._last = (plan, len(mbs))
         with overflow_guard(plan.capture, self.model):

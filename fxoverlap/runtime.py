@@ -269,7 +269,8 @@ class ProgramRunner:
                 # the backward starts: its comm work follows what came before it
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
         self._state = state
-        # no comm kernel runs beside the experts (one rank, no emulated link): nothing to leave SMs to
+        # no comm kernel runs beside the experts (one rank, no emulated link): nothing to leave SMs to.
+        # (A CUDA-graphed experts stage keeps the carveout of the run that captured it.)
         self._carveout = self.sm_carveout if self.comm_kernels_run() else None
         try:
             with torch.no_grad():
@@ -419,8 +420,9 @@ class ProgramRunner:
 @contextlib.contextmanager
 def sm_carveout(sms: int | None) -> Iterator[None]:
     """Leave ``sms`` SMs free of the GEMMs inside (torch's process-wide SM carveout), and
-    restore the setting after; ``None``: leave it as it is."""
-    if sms is None:
+    restore the setting after; ``None``, or a torch without the (experimental) setting: leave
+    it as it is. torch warns once per process that the setting is experimental."""
+    if sms is None or not hasattr(torch._C, "_set_sm_carveout_experimental"):
         yield
         return
     before = torch._C._get_sm_carveout_experimental()

@@ -48,7 +48,8 @@ Steps
    subclass layouts of the gradients (``_roles``, ``_grad_layouts``).
 
 Entry point: ``capture(model, inputs, loss_fn=None, layer_container=None, train=True,
-scalar_loss=True) -> Capture``.
+scalar_loss=True) -> Capture`` (with ``train=False``, ``loss_fn`` picks the one output tensor from
+the model's output: ``engine.forward_only(..., output_fn=...)``).
 """
 
 from __future__ import annotations
@@ -142,20 +143,25 @@ class _TrainStep(nn.Module):
 
 
 class _Forward(nn.Module):
-    """The forward alone: one output tensor (``optimize``'s ``engine(*inputs)``), or with
+    """The forward alone: one output tensor (``optimize``'s ``engine(*inputs)``; ``output_fn(out,
+    *inputs)`` picks it from a structured output, ``engine.forward_only``'s), or with
     ``single=False`` a tuple of them (the backend's Dynamo graphs)."""
 
-    def __init__(self, model: nn.Module, single: bool = True):
+    def __init__(self, model: nn.Module, single: bool = True, output_fn: Callable | None = None):
         super().__init__()
-        self.model, self.single = model, single
+        self.model, self.single, self.output_fn = model, single, output_fn
 
     def forward(self, *inputs: torch.Tensor):
         out = self.model(*inputs)
+        if self.output_fn is not None:
+            out = self.output_fn(out, *inputs)
         if not self.single and isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
             return tuple(out)
         if not isinstance(out, torch.Tensor):
-            raise CaptureError(f"the model returned {_describe(out)}; fxoverlap's forward-only call "
-                               f"handles one output tensor")
+            what = "output_fn" if self.output_fn is not None else "the model"
+            raise CaptureError(f"{what} returned {_describe(out)}; fxoverlap's forward-only call handles one "
+                               f"output tensor: pick it with engine.forward_only(microbatches, output_fn=lambda out, "
+                               f"*inputs: out.logits)")
         return out
 
 
@@ -319,7 +325,7 @@ def capture(
     else:  # annotated by the caller (the torch.compile backend, from nn_module_stack)
         candidates, sizes = {}, dict(lists)
     param_children: dict[str, dict[int, set[str]]] = {}
-    step = _TrainStep(model, loss_fn, scalar_loss) if train else _Forward(model, single=scalar_loss)
+    step = _TrainStep(model, loss_fn, scalar_loss) if train else _Forward(model, single=scalar_loss, output_fn=loss_fn)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()

@@ -148,6 +148,7 @@ def test_hugging_face_family():
         for mode in ("optimize", "backend"):
             _close(r[mode])
             assert "fwd_l1_experts_c1" in {s[0] for s in r[mode]["stages"]}, mode
+        assert r["forward_only_bitwise"]  # engine.forward_only's pair and odd one: eager's logits
 
 
 def test_torchtitan_all_to_alls_stay_whole():
@@ -158,6 +159,11 @@ def test_torchtitan_all_to_alls_stay_whole():
         assert not any("_c0" in name for name in r["stage_names"])
         assert r["log"] and "left whole: layer 0: its forward dispatch stage is not one fxoverlap.dispatch" in r["log"][0]
         assert "_c10d_functional.all_to_all_single" in r["log"][0]
+        # forward-only: the two microbatches in a pair, torchtitan's all-to-alls included
+        fo = r["forward_only"]
+        assert fo["bitwise"]
+        calls = [c for c in fo["calls"] if c.startswith(("F0_l0_", "F1_l0_"))]
+        assert calls.index("F1_l0_dispatch") < calls.index("F0_l0_experts"), calls
 
 
 def test_random_experts_stay_whole():

@@ -177,6 +177,10 @@ def hf_family(rank: int, world: int, family: str, chunks: int) -> dict:
     engine = fxoverlap.optimize(optimized, group, fxoverlap.OverlapConfig(compiler="eager", chunks=chunks))
     losses = engine.forward_backward(mbs, loss_fn=next_token_loss)
     row = dict(optimize=dict(stages=_stages(engine.stages), **_compare(losses, ref_losses, optimized, ref)))
+    with torch.no_grad():  # forward-only: 3 microbatches, a pair and one alone
+        want = [eager(ids).logits for ids in mbs]
+        got = engine.forward_only(mbs, output_fn=lambda out, ids: out.logits)
+    row["forward_only_bitwise"] = all(torch.equal(a, b) for a, b in zip(got, want))
     torch._dynamo.reset()
     fxb.reset()
     backend = copy.deepcopy(eager)
@@ -193,4 +197,5 @@ def titan_two_ranks(rank: int, world: int) -> dict:
 
     with chunk_log_lines() as lines:
         r = titan_real.train_vs_eager("qwen3_moe", ep=2, n=2, rank=rank, config={"chunks": 2})
-    return dict(r, log=lines)
+    # forward-only pairs with torchtitan's own all-to-alls
+    return dict(r, log=lines, forward_only=titan_real.forward_only_vs_eager("qwen3_moe", ep=2, n=2, rank=rank))

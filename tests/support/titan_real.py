@@ -185,6 +185,19 @@ def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: boo
                 eager_counted={k: float(_local(b).sum()) for k, b in eager.named_buffers() if "tokens_per_expert" in k})
 
 
+def forward_only_vs_eager(family: str, ep: int, n: int, rank: int = 0) -> dict:
+    """``engine.forward_only`` over ``n`` microbatches (in pairs) vs the model's own forward under
+    ``no_grad``, same weights: whether the logits are bitwise, and the program's stage calls."""
+    model = build(family, ep)
+    mbs = batches(rank, n)
+    with torch.no_grad():
+        want = [model(*mb) for mb in mbs]
+    engine = fxoverlap.optimize(model, dist.group.WORLD if ep > 1 else None)
+    got = engine.forward_only(mbs)
+    calls = [n.name for n in engine.program.graph.nodes if n.op == "call_module"]
+    return dict(bitwise=all(torch.equal(a, b) for a, b in zip(got, want)), calls=calls)
+
+
 def backend_vs_eager(family: str, n: int) -> dict:
     """``torch.compile(model, backend="fxoverlap")`` with ``loss.backward()`` per microbatch vs
     eager on a twin (one rank), with the backward cut into a segment per gradient hand-out."""
