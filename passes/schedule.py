@@ -81,7 +81,9 @@ that order within a microbatch); a program that would break it is refused with
 Steps
 -----
 1. Index the stages by (direction, layer, kind) and their parts by parent.
-2. Emit F(0), the merged steps, then B(N-1); each stage call with its sinks.
+2. Emit F(0), the merged steps, then B(N-1) (forward-only: the pairs, then an odd one); each
+   stage call with its sinks. Forward pairs that would touch a buffer the forward updates in
+   place out of eager's order (a buffer two layers share) are emitted again one by one.
 3. Check that every stage ran once per microbatch, and the order of random draws.
 
 Entry point: ``schedule(stages, capture, num_microbatches, expert_wgrad_slot=3) -> GraphModule``;
@@ -90,6 +92,8 @@ Entry point: ``schedule(stages, capture, num_microbatches, expert_wgrad_slot=3) 
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.fx
@@ -102,6 +106,9 @@ from fxoverlap.ir.program import Program, StageCall, Step, add_marker
 from fxoverlap.ir.stage import RECOMPUTE_KINDS, Direction, Part, Stage, StageKind, StreamKind, stage_name
 from fxoverlap.passes.rng import RngOrderError
 from fxoverlap.ir.errors import FxOverlapError, InternalError
+
+
+log = logging.getLogger("fxoverlap")
 
 
 class ScheduleError(FxOverlapError, ValueError):
@@ -312,9 +319,25 @@ def schedule(
                             f"not {num_microbatches} microbatches")
     if expert_wgrad_slot not in (2, 3):
         raise ScheduleError(f"schedule: expert_wgrad_slot is 2 or 3, not {expert_wgrad_slot!r}")
-    num_layers = capture.num_layers
     # a forward-only program runs its microbatches in pairs, unless that would reorder random draws
-    pairs = forward_only and not any(s.draws for s in stages if s.direction is F)
+    # or the reads and writes of a buffer the forward updates in place
+    pairs = forward_only and num_microbatches > 1 and not any(s.draws for s in stages if s.direction is F)
+    e = _emit(stages, capture, num_microbatches, forward_only, weight_last, expert_wgrad_slot, pairs)
+    if pairs and (why := _buffer_order(e.graph, {s.name: s for s in stages}, capture)) is not None:
+        log.info("fxoverlap: forward-only microbatches run one after the other, not in pairs: %s", why)
+        e = _emit(stages, capture, num_microbatches, forward_only, weight_last, expert_wgrad_slot, False)
+    _check_draws(e.graph, {s.name: s for s in stages})
+    e.graph.output(None)
+    gm = torch.fx.GraphModule(e.root, e.graph, class_name="Program")
+    gm.meta = {PROGRAM_KEY: Program(gm, num_microbatches, capture.num_layers, forward_only)}
+    return gm
+
+
+def _emit(stages: list[Stage], capture: Capture, num_microbatches: int, forward_only: bool, weight_last: bool,
+          expert_wgrad_slot: int, pairs: bool) -> _Emitter:
+    """Step 2: every stage call in program order (``pairs``: a forward-only program's microbatches
+    two by two)."""
+    num_layers = capture.num_layers
     # the microbatches with no other beside them run the chunks (where a layer has both)
     if not forward_only:
         alone = {0, num_microbatches - 1}
@@ -346,11 +369,31 @@ def schedule(
                if e.runs(s, mb) and (s.name, mb) not in e.emitted]
     if missing:
         raise InternalError(f"schedule: stages never placed: {missing[:5]}")
-    _check_draws(e.graph, {s.name: s for s in stages})
-    e.graph.output(None)
-    gm = torch.fx.GraphModule(e.root, e.graph, class_name="Program")
-    gm.meta = {PROGRAM_KEY: Program(gm, num_microbatches, num_layers, forward_only)}
-    return gm
+    return e
+
+
+def _buffer_order(graph: torch.fx.Graph, stages: dict[str, Stage], capture: Capture) -> str | None:
+    """Why the program would read or update a buffer the forward updates in place out of eager's
+    order (every access of microbatch ``i`` before any of ``i + 1``), or None. A buffer that two
+    layers share, or that a later stage of a layer reads after its update, breaks it in pairs."""
+    shared = set(capture.mutations.values()) & capture.static_placeholders
+    last: dict[str, tuple[int, str]] = {}
+    for node in graph.nodes:
+        step = node.meta.get(STEP_KEY)
+        if step is None:
+            continue
+        if step.stage is not None:
+            touched = shared.intersection(stages[step.stage].inputs)
+        elif node.target is program_ops.mutate:
+            touched = shared.intersection(step.reads)
+        else:
+            continue
+        for p in touched:
+            if p in last and step.microbatch < last[p][0]:
+                return (f"buffer {p} would be used by {node.name} (microbatch {step.microbatch}) after "
+                        f"{last[p][1]} (microbatch {last[p][0]})")
+            last[p] = (step.microbatch, node.name)
+    return None
 
 
 def _check_draws(graph: torch.fx.Graph, stages: dict[str, Stage]) -> None:

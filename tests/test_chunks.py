@@ -268,3 +268,38 @@ def test_emulated_link_sees_the_same_bytes_in_more_calls():
     for op in ("dispatch", "combine"):
         assert seen[2][op][0] == 2 * seen[1][op][0]
         assert seen[2][op][1] == seen[1][op][1]
+
+
+def test_forward_only_keeps_a_shared_buffer_in_eager_order():
+    """A buffer two layers share and update in place (an EMA both layers fold into): in pairs,
+    F(1)'s layer 0 would fold in before F(0)'s layer 1. The schedule sees it and runs the
+    microbatches one after the other: outputs and the buffer bitwise eager's. With a buffer per
+    layer the pairs stay (and stay eager's)."""
+    import copy
+
+    from fxoverlap.ir.meta import STEP_KEY
+    from fxoverlap.models import MoEConfig, MoETransformer
+    from fxoverlap.testing import token_batches
+
+    def ema(layer, args):  # folds the layer's input into the buffer, then scales the input by it
+        layer.seen.mul_(0.5).add_(args[0].float().mean())
+        return (args[0] * (1 + layer.seen).to(args[0].dtype), *args[1:])
+
+    for shared in (True, False):
+        torch.manual_seed(0)
+        model = MoETransformer(MoEConfig.tiny(n_layers=2, n_experts=8))
+        one = torch.zeros(())
+        for layer in model.layers:  # inside each layer, so its update is the layer's stage's
+            layer.attention.register_buffer("seen", one if shared else torch.zeros(()))
+            layer.attention.register_forward_pre_hook(ema)
+        ref = copy.deepcopy(model)
+        mbs = [mb[:1] for mb in token_batches(64, 2, (2, 8))]
+        with torch.no_grad():
+            want = [ref(*mb) for mb in mbs]
+        engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(compiler="eager"))
+        got = engine.forward_only(mbs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), shared
+        for (name, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+            assert torch.equal(a, b), (shared, name)
+        mbs_of_calls = [n.meta[STEP_KEY].microbatch for n in engine.program.graph.nodes if n.op == "call_module"]
+        assert (mbs_of_calls == sorted(mbs_of_calls)) == shared, mbs_of_calls  # in order only when shared
