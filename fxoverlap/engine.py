@@ -298,8 +298,9 @@ class Engine:
 
         The program runs the microbatches in pairs, each one's all-to-alls under the other's
         compute (two-batch overlap; a last odd one runs alone, cut into ``OverlapConfig.chunks``),
-        unless the forward draws random numbers (dropout in training mode), which pairs would
-        reorder: then one after the other, each cut into chunks, as ``engine(*mb)`` runs.
+        unless pairs would reorder what eager does in order: random draws (dropout in training
+        mode), or the updates of a buffer the forward changes in place that two layers share.
+        Then one after the other, each cut into chunks, as ``engine(*mb)`` runs them.
         """
         return self._forward_only(self._check(microbatches, None, "forward_only"), output_fn)
 
