@@ -47,8 +47,9 @@ def kernels() -> dict:
     }
 
 
-def timed(fn, side: torch.cuda.Stream | None) -> tuple[float, float]:
-    """(ms of REPS calls on the current stream, ms of the hold train on ``side``)."""
+def timed(fn, side: torch.cuda.Stream | None = None, alone_ms: float = 0.0) -> tuple[float, float, int]:
+    """(ms of REPS calls on the current stream, ms of the hold train on ``side``, holds in it);
+    the train outlasts the calls' time alone, ``alone_ms``."""
     main = torch.cuda.current_stream()
     for _ in range(3):
         fn()
@@ -56,8 +57,7 @@ def timed(fn, side: torch.cuda.Stream | None) -> tuple[float, float]:
     e0, e1, h0, h1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
     holds = 0
     if side is not None:
-        # enough holds to outlast the kernels alone (measured first, without the side stream)
-        holds = max(1, int(timed.alone_ms / 1e3 / HOLD_S) + 2)
+        holds = max(1, int(alone_ms / 1e3 / HOLD_S) + 2)
         side.wait_stream(main)
         h0.record(side)
     e0.record(main)
@@ -87,9 +87,8 @@ def main() -> None:
         for name, fn in kernels().items():
             for c in carveouts:
                 with sm_carveout(c):
-                    alone, _, _ = timed(fn, None)
-                    timed.alone_ms = alone
-                    beside, hold_ms, holds = timed(fn, side)
+                    alone, _, _ = timed(fn)
+                    beside, hold_ms, holds = timed(fn, side, alone)
                 print(json.dumps({"kernel": name, "blas": blas, "carveout": c, "alone_ms": round(alone / REPS, 4),
                                   "beside_ms": round(beside / REPS, 4), "slowdown": round(beside / alone, 4),
                                   "holds": holds, "hold_train_ms": round(hold_ms, 3),
