@@ -23,7 +23,7 @@ DEFAULT_CUDA_DELAY_WGRAD = True
 # OverlapConfig(sm_carveout=None) on CUDA: SMs the experts' GEMMs leave to the comm kernels. Measured
 # (one H200, emulated EP 8 at 100 GB/s, 16-block comm kernels; docs/benchmarks.md, 2026-12-02 eighth
 # session): 24 on the experts stages took 6.5 % off optimize's step (on every stage: 16 2.5 %, 24
-# 4.7 %, 32 2.4 %); it costs 2.3 % at EP 2 over NVLink.
+# 4.7 %, 32 2.4 %); where the exchanges are short it costs: 2.3 % at EP 2 over NVLink, 1.2 % at 300 GB/s.
 DEFAULT_CUDA_SM_CARVEOUT = 24
 
 
