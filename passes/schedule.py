@@ -322,11 +322,12 @@ def schedule(
     # a forward-only program runs its microbatches in pairs, unless that would reorder random draws
     # or the reads and writes of a buffer the forward updates in place
     pairs = forward_only and num_microbatches > 1 and not any(s.draws for s in stages if s.direction is F)
+    by_name = {s.name: s for s in stages}
     e = _emit(stages, capture, num_microbatches, forward_only, weight_last, expert_wgrad_slot, pairs)
-    if pairs and (why := _buffer_order(e.graph, {s.name: s for s in stages}, capture)) is not None:
+    if pairs and (why := _buffer_order(e.graph, by_name, capture)) is not None:
         log.info("fxoverlap: forward-only microbatches run one after the other, not in pairs: %s", why)
         e = _emit(stages, capture, num_microbatches, forward_only, weight_last, expert_wgrad_slot, False)
-    _check_draws(e.graph, {s.name: s for s in stages})
+    _check_draws(e.graph, by_name)
     e.graph.output(None)
     gm = torch.fx.GraphModule(e.root, e.graph, class_name="Program")
     gm.meta = {PROGRAM_KEY: Program(gm, num_microbatches, capture.num_layers, forward_only)}
