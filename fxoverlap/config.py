@@ -177,6 +177,11 @@ class OverlapConfig:
             GB/s, the peer's shape, docs/benchmarks.md "where the merged steps lose time"):
             slot 2 takes 2-3 % off the step at 8 and 16 microbatches. No effect without
             ``delay_wgrad``.
+        max_programs: how many compiled programs the engine keeps (least recently used
+            evicted, its CUDA graphs released). A program is compiled per
+            :class:`~fxoverlap.program_key.ProgramKey`: input shapes, the model's training
+            flags, ``requires_grad``, autocast, hooks, the loss function, ...
+            (docs/training_loop.md). 8, as Dynamo's ``recompile_limit``.
         disable_passes: names of passes to switch off, for debugging (``fxoverlap.passes.PASSES``
             lists them in order, with why each can or cannot be). Switchable: ``"side"`` (as
             ``side_stages=False``), ``"cudagraph"`` (no CUDA graphs), ``"inductor"`` (compute
@@ -207,6 +212,7 @@ class OverlapConfig:
     chunks_in_merged_steps: bool = False
     disable_passes: tuple[str, ...] = ()
     expert_wgrad_slot: int = 2
+    max_programs: int = 8
 
     def __post_init__(self) -> None:
         if self.chunks is not None and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int)
@@ -242,6 +248,8 @@ class OverlapConfig:
             object.__setattr__(self, "disable_passes", (self.disable_passes,))
         elif not isinstance(self.disable_passes, tuple):
             object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        if isinstance(self.max_programs, bool) or not isinstance(self.max_programs, int) or self.max_programs < 1:
+            raise ConfigError(f"OverlapConfig.max_programs must be an int >= 1, got {self.max_programs!r}")
         if not self.reduce_bucket_mb >= 0:
             raise ConfigError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
 

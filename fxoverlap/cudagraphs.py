@@ -481,6 +481,12 @@ class GraphCache:
     def summaries(self) -> list[dict]:
         return [sg.summary() for sg in self._by_program.values()]
 
+    def release(self, program: torch.fx.GraphModule) -> None:
+        """Close ``program``'s graphs (the engine's cache evicted it); a no-op where it has none."""
+        sg = self._by_program.pop(id(program), None)
+        if sg is not None:
+            sg.close()
+
     def close(self) -> None:
         graphs = list(self._by_program.values())
         self._by_program.clear()

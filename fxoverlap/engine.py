@@ -20,23 +20,14 @@ from fxoverlap.grad_reduce import GradReduceConfigError, GradReduceError, GradRe
 from fxoverlap.ir.bucket import Bucket
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.stage import Stage, format_stage_table, render_rows as _render
+from fxoverlap.compiled_program import CompiledModel, CompiledProgram, ProgramSpec, compile_program
 from fxoverlap.passes.capture import Capture, capture, input_signature
-from fxoverlap.pipeline import build_program, build_stages, check_disable_passes, make_runner
-from fxoverlap.runtime import ProgramRunner, StageHook, accumulate_into, static_values
+from fxoverlap.pipeline import check_disable_passes
+from fxoverlap.program_key import ProgramCache, ProgramKey, program_key, refuse_unsupported, wrapped_by_ddp
+from fxoverlap.runtime import ProgramRunner, StageHook, accumulate_into, run_post_accumulate_hooks, static_values
 from fxoverlap.ir.program import program_of
 
 log = logging.getLogger("fxoverlap")
-
-
-@dataclasses.dataclass
-class Plan:
-    """What fxoverlap built for one input signature (and loss function): the capture,
-    the stages, and one program per microbatch count (``programs[n]``)."""
-
-    capture: Capture
-    stages: list[Stage]
-    programs: dict[int, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
-    runners: dict[int, ProgramRunner] = dataclasses.field(default_factory=dict, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,69 +116,79 @@ class Engine:
         for group, name in ((ep_group, "ep_group"), (dp_group, "dp_group"), (expert_dp_group, "expert_dp_group")):
             check_group(group, name)
         _check_expert_split(model, ep_group)
+        refuse_unsupported(model)  # a DDP wrapper, a module backward hook: refused before any capture
         check_disable_passes(config.disable_passes)  # before any capture: the error comes first
         self.model, self.ep_group, self.config = model, ep_group, config
+        self._groups = {"ep": ep_group, "dp": dp_group, "expert_dp": expert_dp_group}
         groups = check_groups(ep_group, dp_group, expert_dp_group)
         if groups is None and config.grad_reduce != "all_reduce":
             raise GradReduceConfigError(f"fxoverlap.optimize: OverlapConfig(grad_reduce={config.grad_reduce!r}) needs "
                              f"dp_group (the ranks the gradients are reduced over)")
         # data parallelism: the gradient reductions inside the program (None: p.grad stays local)
         self.grad_reduction = None if groups is None else GradReduction(groups, config.grad_reduce)
-        self._plans: dict[tuple, Plan] = {}
+        self._cudagraphs = GraphCache(config.cuda_graphs)  # captured CUDA graphs; see close()
+        # the compiled programs, by everything that changes their answer (fxoverlap/program_key.py)
+        self.cache: ProgramCache[CompiledModel] = ProgramCache(
+            config.max_programs, close=lambda entry: entry.close(self._cudagraphs))
         self._agreed: set[tuple] = set()  # (signature, microbatch count) the EP ranks agreed on
         self._called: set[tuple] = set()  # input signatures engine(*inputs) checked the model takes
-        self._last: tuple[Plan, int] | None = None
+        self._last: tuple[CompiledModel, CompiledProgram] | None = None
         self.memory_trace: list[tuple[str, int, int]] = []
         self.leftover: dict[int, list[str]] = {}  # record_memory: values left in the stores at the end
-        self._cudagraphs = GraphCache(config.cuda_graphs)  # captured CUDA graphs; see close()
+
+    def __deepcopy__(self, memo: dict) -> Engine:
+        """A new engine over a deep copy of the model, with the same groups and config and an
+        empty program cache (process groups cannot be copied; compiled programs are cheap to
+        rebuild next to a copied model and hold nothing of the old one)."""
+        import copy
+
+        return Engine(copy.deepcopy(self.model, memo), self.ep_group, self.config, self._groups["dp"],
+                      self._groups["expert_dp"])
 
     # ---------------------------------------------------------------- building
     def _device(self) -> torch.device:
         p = next(self.model.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 
-    def _plan(self, inputs: Sequence[torch.Tensor], loss_fn: Callable | None, train: bool) -> Plan:
-        key = (input_signature(inputs), loss_fn, train)  # forward-only: loss_fn is forward_only's output_fn
-        plan = self._plans.get(key)
-        if plan is None:
-            log.info("fxoverlap: capturing %s for input signature %s", type(self.model).__name__, key[0])
-            cap = capture(self.model, inputs, loss_fn, self.config.layer_container, train=train,
+    def _compiled(self, inputs: Sequence[torch.Tensor], fn: Callable | None, train: bool) -> CompiledModel:
+        """The capture and stages for calling the model on ``inputs`` with ``fn`` as its loss
+        (``train``) or output function, in the model's current state: from the cache when the
+        :class:`~fxoverlap.program_key.ProgramKey` matches, else traced and compiled anew."""
+        key = program_key(self.model, inputs, (), fn, "train" if train else "forward", self.config, self._groups)
+        entry = self.cache.get(key)
+        if entry is None:
+            why = self.cache.why_new(key, fn)
+            log.info("fxoverlap: compiling %s's %s program for inputs %s (%s)", type(self.model).__name__,
+                     key.role, input_signature(inputs), why)
+            if (ddp := wrapped_by_ddp(self.model)) is not None:
+                raise ddp
+            cap = capture(self.model, inputs, fn, self.config.layer_container, train=train,
                           explain=explain_capture_error)
-            plan = self._plans[key] = Plan(cap, build_stages(cap, self.config, self._device().type, train))
-        return plan
+            entry = CompiledModel.build(cap, self.config, self._device(), train)
+            self.cache.put(key, entry)
+        return entry
 
-    def _program(self, plan: Plan, n: int, train: bool = True) -> torch.fx.GraphModule:
-        prog = plan.programs.get(n)
-        if prog is None:
-            prog = plan.programs[n] = build_program(plan.stages, plan.capture, n, self.config, forward_only=not train,
-                                                    reduce_grads=train and self.grad_reduction is not None)
-        return prog
+    def _program(self, entry: CompiledModel, n: int, train: bool = True,
+                 hook: StageHook | None = None) -> CompiledProgram:
+        spec = ProgramSpec(n, forward_only=not train, reduce_grads=train and self.grad_reduction is not None)
 
-    def _runner(self, plan: Plan, n: int, train: bool = True) -> ProgramRunner:
-        runner = plan.runners.get(n)
-        if runner is None:
-            runner = plan.runners[n] = self._make_runner(plan, n, train)
-        return runner
+        def make(spec: ProgramSpec) -> CompiledProgram:
+            reduction = self.grad_reduction if spec.reduce_grads else None
+            return compile_program(
+                entry.capture, entry.stages, self.config, spec, self._device(), graphs=self._cudagraphs, hook=hook,
+                reducer=None if reduction is None else (
+                    lambda program: reduction.bind(program_of(program).buckets, entry.capture, self.model)))
 
-    def _make_runner(self, plan: Plan, n: int, train: bool = True, hook: StageHook | None = None) -> ProgramRunner:
-        prog, device = self._program(plan, n, train), self._device()
-        return make_runner(
-            prog, plan.stages, plan.capture, device, self.config,
-            grads=accumulate_into(self.model, plan.capture) if train else None,
-            cuda_graphs=self._cudagraphs.get(prog, plan.stages, plan.capture, device),
-            reducer=(self.grad_reduction.bind(program_of(prog).buckets, plan.capture, self.model)
-                     if train and self.grad_reduction is not None else None),
-            hook=hook,
-        )
+        return make(spec) if hook is not None else entry.program(spec, make)
 
     def runner(self, microbatches: Sequence, loss_fn: Callable | None = None,
                hook: StageHook | None = None) -> ProgramRunner:
         """The runner ``forward_backward(microbatches, loss_fn)`` uses (its CUDA graphs and gradient
         reduction), or with ``hook``, a new one like it whose every stage call goes through the
-        hook (the benchmark's stage timing). Run it with ``runner.run(static_values(...), mbs)``."""
+        hook (the benchmark's stage timing). Run it with ``runner.run(static_values(...), mbs,
+        grads=accumulate_into(model, capture))``."""
         mbs = self._check(microbatches, loss_fn, "runner")
-        plan = self._plan(mbs[0], loss_fn, train=True)
-        return self._runner(plan, len(mbs)) if hook is None else self._make_runner(plan, len(mbs), hook=hook)
+        return self._program(self._compiled(mbs[0], loss_fn, train=True), len(mbs), hook=hook).runner
 
     def plan(self, microbatches: Sequence, loss_fn: Callable | None = None) -> PlanView:
         """Capture and build (or reuse) what ``forward_backward(microbatches, loss_fn)`` would
@@ -195,10 +196,9 @@ class Engine:
         fixes the gradient buckets (so :meth:`shard_parameters` is known), checking with the
         other ranks of each group that they bucket alike."""
         mbs = self._check(microbatches, loss_fn, "plan")
-        plan = self._plan(mbs[0], loss_fn, train=True)
-        if self.grad_reduction is not None:
-            self._runner(plan, len(mbs))  # binds the buckets (every rank of the groups must call plan)
-        return PlanView(plan.capture, plan.stages, self._program(plan, len(mbs)))
+        entry = self._compiled(mbs[0], loss_fn, train=True)
+        prog = self._program(entry, len(mbs))  # binds the buckets (every rank of the groups must call plan)
+        return PlanView(entry.capture, entry.stages, prog.program)
 
     # ---------------------------------------------------------------- running
     def _check(self, microbatches: Sequence, loss_fn: Callable | None = None,
@@ -271,17 +271,24 @@ class Engine:
         every reduction has finished when this returns.
         """
         mbs = self._check(microbatches, loss_fn)
-        plan = self._plan(mbs[0], loss_fn, train=True)
-        runner = self._runner(plan, len(mbs))
-        self._last = (plan, len(mbs))
-        with overflow_guard(plan.capture, self.model):
-            state = runner.run(static_values(plan.capture, self.model), mbs, on_error=self._abort_group)
+        entry = self._compiled(mbs[0], loss_fn, train=True)
+        prog = self._program(entry, len(mbs))
+        self._last = (entry, prog)
+        cap = entry.capture
+        # the parameters are looked up by name at every call (new objects after
+        # load_state_dict(assign=True), model.to(), ...): the program holds none of them
+        reduced = prog.spec.reduce_grads
+        with overflow_guard(cap, self.model):
+            state = prog.run(static_values(cap, self.model), mbs, on_error=self._abort_group,
+                             grads=accumulate_into(self.model, cap, post_hooks=not reduced))
+        if reduced:  # with data parallelism the hooks see the reduced gradient, once, when it is final
+            run_post_accumulate_hooks(self.model, cap)
         if self.config.record_memory:
             self.memory_trace = state.memory_trace
-            static = set(plan.capture.static_placeholders)
+            static = set(cap.static_placeholders)
             self.leftover = {mb: names for mb, st in enumerate(state.stores)
                              if (names := [v for v in st if v not in static])}
-        return [out[plan.capture.loss_name] for out in state.outputs]
+        return [out[cap.loss_name] for out in state.outputs]
 
     def __call__(self, *inputs: torch.Tensor):
         """Forward only, through the forward stage graphs; returns the model's output."""
@@ -305,12 +312,12 @@ class Engine:
         return self._forward_only(self._check(microbatches, None, "forward_only"), output_fn)
 
     def _forward_only(self, mbs: list[tuple], output_fn: Callable | None) -> list:
-        plan = self._plan(mbs[0], output_fn, train=False)
-        runner = self._runner(plan, len(mbs), train=False)
-        self._last = (plan, len(mbs))
-        with overflow_guard(plan.capture, self.model):
-            state = runner.run(static_values(plan.capture, self.model), mbs, on_error=self._abort_group)
-        return [out[plan.capture.outputs[0]] for out in state.outputs]
+        entry = self._compiled(mbs[0], output_fn, train=False)
+        prog = self._program(entry, len(mbs), train=False)
+        self._last = (entry, prog)
+        with overflow_guard(entry.capture, self.model):
+            state = prog.run(static_values(entry.capture, self.model), mbs, on_error=self._abort_group)
+        return [out[entry.capture.outputs[0]] for out in state.outputs]
 
     def close(self) -> None:
         """Release the CUDA graphs this engine captured (and their memory pools).
@@ -323,6 +330,11 @@ class Engine:
         captures its graphs anew. A no-op without ``cuda_graphs``.
         """
         self._cudagraphs.close()
+
+    def clear_cache(self) -> None:
+        """Drop every compiled program (and its CUDA graphs): the next call compiles anew."""
+        self.cache.clear()
+        self._last = None
 
     def _abort_group(self, exc: BaseException) -> None:
         """A stage raised: tear the EP group down so peers blocked in a collective fail, not hang."""
@@ -342,7 +354,7 @@ class Engine:
     @property
     def program(self) -> torch.fx.GraphModule | None:
         """The program of the last call (``forward_backward`` or ``engine(*inputs)``)."""
-        return None if self._last is None else self._last[0].programs[self._last[1]]
+        return None if self._last is None else self._last[1].program
 
     @property
     def stages(self) -> list[Stage]:

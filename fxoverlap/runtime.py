@@ -57,8 +57,14 @@ def static_values(capture: Capture, model: nn.Module) -> dict[str, torch.Tensor]
     return out
 
 
-def accumulate_into(model: nn.Module, capture: Capture) -> GradSink:
-    """A :data:`GradSink` that adds into ``p.grad`` as eager's AccumulateGrad does.
+def accumulate_into(model: nn.Module, capture: Capture, post_hooks: bool = True) -> GradSink:
+    """A :data:`GradSink` that adds into ``p.grad`` as eager's AccumulateGrad does, with the
+    parameters ``model`` has now (looked up by name: make one per run).
+
+    As in eager, each microbatch's gradient first goes through the parameter's tensor hooks
+    (``p.register_hook``; a hook's return value replaces it), and after it is added the
+    post-accumulate-grad hooks run (``p.register_post_accumulate_grad_hook``; ``post_hooks=False``
+    leaves them to the caller: with data parallelism they run once the reduced gradient is final).
 
     A tensor-subclass parameter's gradient arrives as parts; once a microbatch's
     parts are all in, they are wrapped into the subclass the traced backward
@@ -72,10 +78,16 @@ def accumulate_into(model: nn.Module, capture: Capture) -> GradSink:
     pending: dict[str, dict[tuple[str, ...], torch.Tensor]] = {}
 
     def add(p: nn.Parameter, g: torch.Tensor) -> None:
+        for hook in (p._backward_hooks or {}).values():
+            if (new := hook(g)) is not None:
+                g = new
         if p.grad is None:
             p.grad = g
         else:
             p.grad.add_(g)
+        if post_hooks:
+            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(p)
 
     def sink(name: str, g: torch.Tensor, graph_memory: bool) -> None:
         p = by_value[name]
@@ -101,6 +113,16 @@ def accumulate_into(model: nn.Module, capture: Capture) -> GradSink:
     return sink
 
 
+def run_post_accumulate_hooks(model: nn.Module, capture: Capture) -> None:
+    """Run each parameter's post-accumulate-grad hooks once, for the parameters the capture
+    computes gradients of (after a step's reduction has made their ``.grad`` final)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for fqn in dict.fromkeys(capture.grads.values()):
+        p = params[fqn]
+        for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(p)
+
+
 @dataclasses.dataclass
 class RunState:
     """One run of a program: the value stores and what the run handed out."""
@@ -111,6 +133,7 @@ class RunState:
     graph_owned: set = dataclasses.field(default_factory=set)  # (mb, value): CUDA-graph memory
     memory_trace: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
     static_keys: frozenset = frozenset()
+    grads: GradSink | None = None  # where this run's gradients go (None: the runner's own sink)
 
 
 class ProgramRunner:
@@ -225,9 +248,11 @@ class ProgramRunner:
 
     # ---------------------------------------------------------------- running
     def start(self, static: dict[str, torch.Tensor], microbatches: Sequence[Sequence[torch.Tensor]],
-              tangents: Sequence[Sequence[torch.Tensor]] | None = None) -> RunState:
+              tangents: Sequence[Sequence[torch.Tensor]] | None = None, grads: GradSink | None = None) -> RunState:
         """Value stores for a run: shared parameters and buffers, each microbatch's inputs,
-        and its tangents (default: ones for a scalar loss, as ``loss.backward()`` seeds)."""
+        and its tangents (default: ones for a scalar loss, as ``loss.backward()`` seeds).
+        ``grads``: where this run's gradients go, in place of the runner's sink (the engine
+        makes one per call from the model's current parameters)."""
         cap = self.capture
         stores = []
         for i, mb in enumerate(microbatches):
@@ -240,7 +265,7 @@ class ProgramRunner:
                     val = cap.graph_module.graph.find_nodes(op="placeholder", target=ph)[0].meta["val"]
                     store[ph] = torch.ones(val.shape, dtype=val.dtype, device=self.device)
             stores.append(store)
-        state = RunState(stores, [{} for _ in microbatches])
+        state = RunState(stores, [{} for _ in microbatches], grads=grads if grads is not None else self.grads)
         if self.record_memory:
             state.static_keys = static_storage_keys(static)
         return state
@@ -273,7 +298,9 @@ class ProgramRunner:
         # (A CUDA-graphed experts stage keeps the carveout of the run that captured it.)
         self._carveout = self.sm_carveout if self.comm_kernels_run() else None
         try:
-            with torch.no_grad():
+            # the stages run exactly as traced: autocast's casts are in their graphs already, and
+            # an ambient autocast would cast their ops again (AOTAutograd's runtime does the same)
+            with torch.no_grad(), torch._C._DisableAutocast():
                 if not self.record_memory:
                     for fn, args in self._bound[lo:hi]:
                         fn(*args)
@@ -324,9 +351,9 @@ class ProgramRunner:
         return out
 
     def run(self, static: dict[str, torch.Tensor], microbatches: Sequence[Sequence[torch.Tensor]],
-            on_error: Callable | None = None) -> RunState:
+            on_error: Callable | None = None, grads: GradSink | None = None) -> RunState:
         """The whole program over ``microbatches``; the state holds each one's outputs."""
-        state = self.start(static, microbatches)
+        state = self.start(static, microbatches, grads=grads)
         self.execute(state, "all", on_error)
         return state
 
@@ -390,12 +417,12 @@ class ProgramRunner:
             state.outputs[mb][v] = t.detach().clone() if (mb, v) in state.graph_owned else t.detach()
 
     def accumulate(self, mb: int, *values: str) -> None:
-        if self.grads is None:  # no sink: gradients go to the caller, as outputs do
+        state = self._state
+        if state.grads is None:  # no sink: gradients go to the caller, as outputs do
             self.output(mb, *values)
             return
-        state = self._state
         for v in values:
-            self.grads(v, state.stores[mb][v], (mb, v) in state.graph_owned)
+            state.grads(v, state.stores[mb][v], (mb, v) in state.graph_owned)
 
     def mutate(self, mb: int, *values: str) -> None:
         store = self._state.stores[mb]

@@ -149,9 +149,14 @@ def rel_l2(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> tuple[
 def share_plans(src, dst) -> None:
     """Let engine ``dst`` reuse engine ``src``'s captures and stages (it builds its own
     programs and runners), to spare a capture (and an Inductor compile) when comparing
-    engines that differ in their data parallelism only: a plan depends on the model's
-    structure, the input signature and the stage options (parameters are looked up by
+    engines that differ in their data parallelism only: a capture depends on the model's
+    structure and state, the inputs and the stage options (parameters are looked up by
     name at every run), not on the groups or the reduce mode."""
-    from fxoverlap.engine import Plan
+    import dataclasses
 
-    dst._plans = {k: Plan(p.capture, p.stages) for k, p in src._plans.items()}
+    from fxoverlap.compiled_program import CompiledModel
+    from fxoverlap.program_key import group_keys
+
+    for key, entry in src.cache.items():
+        key = dataclasses.replace(key, config=repr(dst.config), groups=group_keys(dst._groups))
+        dst.cache.put(key, CompiledModel(entry.capture, entry.stages))

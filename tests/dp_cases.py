@@ -267,8 +267,7 @@ def timeline(rank: int, world: int, n_layers: int = 3, n: int = 3) -> dict:
     mbs = make_batches(rank, cfg.vocab_size, n)
     engine.forward_backward(mbs)
     model.zero_grad(set_to_none=True)
-    plan, _ = engine._last
-    runner = plan.runners[n]
+    runner = engine._last[1].runner
     stage_times: list[tuple[str, float, float]] = []
 
     def hook(node, stage, run):

@@ -35,7 +35,7 @@ from fxoverlap.config import ConfigError
 from fxoverlap.kernels import emulated_link
 from fxoverlap.models.moe import MoETransformer
 from fxoverlap.engine import PlanView
-from fxoverlap.runtime import StageHook, static_values
+from fxoverlap.runtime import StageHook, accumulate_into, static_values
 from fxoverlap.testing import grad_compare, token_batches
 
 
@@ -245,7 +245,7 @@ class Bench:
         """The engine's program for these microbatches as the engine runs it (its CUDA graphs and
         gradient reduction), each stage call through ``hook``."""
         runner = self.engine.runner(self.mbs, hook=hook)
-        runner.run(static_values(plan.capture, self.model), self.mbs)
+        runner.run(static_values(plan.capture, self.model), self.mbs, grads=accumulate_into(self.model, plan.capture))
 
     def stage_timing(self) -> dict[str, Any]:
         plan = self.engine.plan(self.mbs)
