@@ -312,22 +312,19 @@ class BucketReducer:
         replicated value comes back divided by ``|ep_group|`` (issue 34, item 7).
 
         Costs no copy: the set-aside tensor is the one ``p.grad`` held. ZeRO-2 accumulates in
-        the shards' ``.grad`` and leaves ``p.grad`` ``None``; a full ``p.grad`` found there is
-        refused (whether it is local or averaged cannot be told, and the shards own the result)."""
+        the shards' ``.grad`` and leaves ``p.grad`` ``None``, so it sets nothing aside: a full
+        ``p.grad`` found there (not the engine's: an eager backward of the model) is a local
+        gradient and is reduced with the call's, as before. (Refusing it instead would be a
+        rank-local decision: the other ranks would wait in the program's collectives.)"""
         if self._running:  # a run that neither finished nor was abandoned (its caller never ran it to the end)
             self.abandon()
-        held = {s.value: p.grad for b in self.buckets for s in b.slots
-                if (p := self.params[s.value]).grad is not None}
-        if held and self.owner.mode == "reduce_scatter":
-            names = sorted({s.param for b in self.buckets for s in b.slots if s.value in held})
-            raise GradReduceError(
-                f"fxoverlap: grad_reduce='reduce_scatter' (ZeRO-2) accumulates in the shards' .grad "
-                f"(engine.shard_parameters()) and leaves p.grad None, but {names[:3]}"
-                f"{' …' if len(names) > 3 else ''} hold a full gradient before forward_backward (an eager "
-                f"backward of the model?); clear it (model.zero_grad(set_to_none=True)) first")
-        for v, g in held.items():
-            self._before[v] = g
-            self.params[v].grad = None
+        if self.owner.mode == "all_reduce":
+            for b in self.buckets:
+                for s in b.slots:
+                    p = self.params[s.value]
+                    if p.grad is not None:
+                        self._before[s.value] = p.grad
+                        p.grad = None
         self._running = set(range(len(self.buckets)))
 
     def abandon(self) -> None:
