@@ -266,9 +266,10 @@ class Engine:
         Accumulates into ``p.grad`` exactly as ``for mb in microbatches:
         loss_fn(model(*mb), *mb).backward()`` would (``loss_fn=None``: the model's
         output is the loss). Buffers the forward updates in place end as eager leaves them.
-        With ``dp_group``, the program then reduces ``p.grad`` over the data-parallel
-        groups, overlapped with the last microbatch's backward (see :meth:`grad_table`);
-        every reduction has finished when this returns.
+        With ``dp_group``, the program reduces this call's gradients over the data-parallel
+        groups, overlapped with the last microbatch's backward (see :meth:`grad_table`), and
+        adds the average into what ``p.grad`` held (taken as already reduced: accumulation
+        over calls gives the average of the sum); every reduction has finished when this returns.
         """
         mbs = self._check(microbatches, loss_fn)
         entry = self._compiled(mbs[0], loss_fn, train=True)

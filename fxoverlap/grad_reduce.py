@@ -17,6 +17,10 @@ rank holds only the shard of each bucket it owns (layout: ``passes/reduce.py``),
 ``.grad`` of :meth:`GradReduction.shard_parameters`' views, which an optimizer steps;
 :meth:`GradReduction.gather_parameters` then all-gathers the updated shards.
 
+Accumulation over calls: a call reduces only its own gradients and adds the average into
+what ``p.grad`` (ZeRO-2: the shard's ``.grad``) held before it, which is taken as already
+reduced (a previous call's result) and is never reduced again (:meth:`BucketReducer.begin`).
+
 Everything is ``torch.distributed``: ``all_reduce`` / ``reduce_scatter_single`` (``reduce_scatter_tensor``
 before torch 2.13) with ``async_op=True`` on flat buffers, ``all_gather_single`` for the parameters.
 """
@@ -205,8 +209,8 @@ class GradReduction:
                     "(another capture gave other gradients); the shards an optimizer holds must stay "
                     "fixed: use one engine per model structure"
                 )
-        return BucketReducer(self, tuple(buckets), {v: self._params[p] for v, p in capture.grads.items()
-                                                     if p in self._params})
+        return BucketReducer(self, tuple(buckets), {v: p for v, p in capture.grads.items() if p in self._params},
+                             model)
 
     def _check_same_layout_on_every_rank(self, buckets: Sequence[Bucket], device: torch.device) -> None:
         """Every rank of a group must reduce the same buckets, or the collectives mismatch
@@ -291,23 +295,69 @@ class BucketReducer:
     (``extra``: whether it had completed before the wait).
     """
 
-    def __init__(self, owner: GradReduction, buckets: tuple[Bucket, ...], params: dict[str, nn.Parameter]):
-        self.owner, self.buckets, self.params = owner, buckets, params
+    def __init__(self, owner: GradReduction, buckets: tuple[Bucket, ...], fqns: dict[str, str], model: nn.Module):
+        self.owner, self.buckets, self.fqns, self.model = owner, buckets, fqns, model
+        self.params: dict[str, nn.Parameter] = {}  # value -> the model's parameter, looked up at each begin()
         self.trace: list | None = None
+        # value -> what p.grad held when the run began (already reduced): set aside by begin(),
+        # the average added into it by finish(), put back by abandon()
+        self._before: dict[str, torch.Tensor] = {}
+        self._running: set[int] = set()  # buckets of the run in progress not finished yet
+
+    def begin(self) -> None:
+        """A run begins (``ProgramRunner.start``): set aside what ``p.grad`` holds, so that the
+        run's microbatches accumulate this call's local gradients alone and only those are
+        reduced; :meth:`finish` adds the average into the set-aside tensor (in place), which
+        becomes ``p.grad`` again. Reducing it with them would count it again: an expert
+        gradient is summed over ``expert_dp_group`` but divided by ``|dp_group|``, so a
+        replicated value comes back divided by ``|ep_group|`` (issue 34, item 7).
+
+        Costs no copy: the set-aside tensor is the one ``p.grad`` held. ZeRO-2 accumulates in
+        the shards' ``.grad`` and leaves ``p.grad`` ``None``, so it sets nothing aside: a full
+        ``p.grad`` found there (not the engine's: an eager backward of the model) is a local
+        gradient and is reduced with the call's, as before. (Refusing it instead would be a
+        rank-local decision: the other ranks would wait in the program's collectives.)"""
+        if self._running:  # a run that neither finished nor was abandoned (its caller never ran it to the end)
+            self.abandon()
+        # by name at every run: load_state_dict(assign=True) or model.to() may have made new parameters
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.params = {v: params[fqn] for v, fqn in self.fqns.items()}
+        if self.owner.mode == "all_reduce":
+            for b in self.buckets:
+                for s in b.slots:
+                    p = self.params[s.value]
+                    if p.grad is not None:
+                        self._before[s.value] = p.grad
+                        p.grad = None
+        self._running = set(range(len(self.buckets)))
+
+    def abandon(self) -> None:
+        """The run failed: drop its partial local gradients and put back what :meth:`begin`
+        set aside, so ``p.grad`` is as the call found it (buckets already finished keep theirs)."""
+        for i in sorted(self._running):
+            for s in self.buckets[i].slots:
+                self.params[s.value].grad = self._before.pop(s.value, None)
+        self._running = set()
+        self._before.clear()
 
     def start(self, index: int, grads: Sequence[torch.Tensor]) -> Pending:
-        """Add the last gradients to ``p.grad`` into the flat buffer and issue the collective
-        (async); runs under the comm stream, so its buffers belong to it."""
+        """Add the last gradients to this call's local ones (``p.grad``, microbatches 0..N-2)
+        into the flat buffer and issue the collective (async); runs under the comm stream, so
+        its buffers belong to it. ``p.grad`` is dropped once copied: the buffer holds it now."""
         b = self.buckets[index]
         group, ranks = self.owner.groups.of(b.role)
         flat = torch.zeros(b.padded_numel(len(ranks)), dtype=b.dtype, device=grads[0].device)
         for s, g in zip(b.slots, grads):
             view = flat[s.offset:s.offset + s.numel].view(s.shape)
-            held = self.params[s.value].grad
+            p = self.params[s.value]
+            held = p.grad
             if held is None:
                 view.copy_(g)
             else:
                 torch.add(held, g, out=view)  # p.grad + g, as AccumulateGrad adds
+                if held.is_cuda:  # made on the compute stream, read here: keep its block until then
+                    held.record_stream(torch.cuda.current_stream(held.device))
+                p.grad = None  # not kept to the finish: one full local copy less at the end of the backward
         work, out = None, flat
         if group is not None and len(ranks) > 1:
             if self.owner.mode == "all_reduce":
@@ -332,13 +382,19 @@ class BucketReducer:
             self.trace.append(("wait", b.index, time.perf_counter(), done))
         if pending.work is not None:
             pending.work.wait()
+        self._running.discard(b.index)
         out = pending.out
         out.div_(self.owner.groups.dp_size)
         if compute_stream is not None:
             out.record_stream(compute_stream)  # allocated on the comm stream, used on this one from now on
         if self.owner.mode == "all_reduce":
             for s in b.slots:
-                self.params[s.value].grad = out[s.offset:s.offset + s.numel].view(s.shape)
+                avg = out[s.offset:s.offset + s.numel].view(s.shape)
+                before = self._before.pop(s.value, None)
+                if before is None:
+                    self.params[s.value].grad = avg  # a view: the flat buffer lives on as p.grad
+                else:  # accumulation: into what p.grad held (the flat buffer is freed after this)
+                    self.params[s.value].grad = before.add_(avg)
             return
         for s in b.slots:
             self.params[s.value].grad = None  # ZeRO-2: the full local gradient is not kept

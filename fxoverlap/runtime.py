@@ -266,6 +266,10 @@ class ProgramRunner:
                     store[ph] = torch.ones(val.shape, dtype=val.dtype, device=self.device)
             stores.append(store)
         state = RunState(stores, [{} for _ in microbatches], grads=grads if grads is not None else self.grads)
+        if self.reducer is not None:
+            # what p.grad holds now is already reduced: set it aside, so only this run's gradients
+            # are reduced (the averages are added into it at the finish nodes)
+            self.reducer.begin()
         if self.record_memory:
             state.static_keys = static_storage_keys(static)
         return state
@@ -354,7 +358,12 @@ class ProgramRunner:
             on_error: Callable | None = None, grads: GradSink | None = None) -> RunState:
         """The whole program over ``microbatches``; the state holds each one's outputs."""
         state = self.start(static, microbatches, grads=grads)
-        self.execute(state, "all", on_error)
+        try:
+            self.execute(state, "all", on_error)
+        except BaseException:
+            if self.reducer is not None:
+                self.reducer.abandon()  # p.grad as the call found it, not half a call's local gradients
+            raise
         return state
 
     # ---------------------------------------------------------------- node kinds

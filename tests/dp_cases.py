@@ -255,6 +255,85 @@ def train_steps(rank: int, world: int, steps: int = 2) -> dict:
                 scale=max(p.abs().max().item() for p in ref_model.parameters()))
 
 
+def accumulation(rank: int, world: int, calls: tuple[tuple[int, ...], ...] = ((2, 2), (2, 1, 3))) -> list[dict]:
+    """Gradient accumulation: several forward_backward calls (microbatch counts ``calls[i]``)
+    with no zero_grad between, both modes, then clip_grad_norm_.
+
+    References (eager backward of the same microbatches on the same weights):
+    ``sum``, the docs' statement: every call's local gradients summed, reduced parameter by
+    parameter and divided by |dp_group|; ``per_call``: each call's local gradients reduced and
+    divided, the results added in call order (what the engine computes: the sums differ from
+    ``sum``'s in association only); ``flat``: ``per_call`` with each call reduced on flat
+    buffers of the engine's layout (gloo's order), for bitwise checks."""
+    ep, edp = groups()
+    out, first = [], None
+    for mode in ("all_reduce", "reduce_scatter"):
+        model, vocab = make_model("moe", ep)
+        engine = fxoverlap.optimize(model, ep, fxoverlap.OverlapConfig(grad_reduce=mode, reduce_bucket_mb=0),
+                                    dp_group=dist.group.WORLD, expert_dp_group=edp)
+        if first is None:
+            first = engine
+        else:
+            share_plans(first, engine)
+        for ns in calls:
+            batches = [make_batches(rank, vocab, n, seed=50 + 10 * len(ns) + c) for c, n in enumerate(ns)]
+            eager_steps(model, [mb for mbs in batches for mb in mbs])  # one eager accumulation over every call
+            total = take_grads(model)
+            locals_ = []
+            for mbs in batches:
+                eager_steps(model, mbs)
+                locals_.append(take_grads(model))
+            for c, mbs in enumerate(batches):  # the engine: no zero_grad between the calls
+                engine.forward_backward(mbs)
+                if c == 0:  # where p.grad lives after the first call (a view into its bucket's buffer)
+                    held = {k: p.grad.data_ptr() for k, p in model.named_parameters() if p.grad is not None}
+            buckets = program_of(engine.program).buckets
+            refs = {"sum": reduce_by_hand(total, edp), "per_call": None, "flat": None}
+            for local in locals_:
+                for key, r in (("per_call", reduce_by_hand(local, edp)),
+                               ("flat", reduce_flat_by_hand(local, buckets, edp, mode))):
+                    refs[key] = r if refs[key] is None else {k: refs[key][k] + r[k] for k in r}
+            row = dict(mode=mode, calls=list(ns))
+            if mode == "all_reduce":
+                got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+                # the later calls added into those tensors: no second full gradient kept across calls
+                row["same_grad_storage"] = held == {k: p.grad.data_ptr() for k, p in model.named_parameters()
+                                                    if p.grad is not None} and len(held) > 0
+                for key, ref in refs.items():
+                    row[key] = _compare(got, ref)
+                # clip_grad_norm_ after the accumulation, on the engine's gradients and on each reference
+                params = dict(model.named_parameters())
+                max_norm = 0.5 * torch.stack([g.norm() for g in refs["sum"].values()]).norm().item()
+                clipped = {}
+                for key in ("engine", "sum", "flat"):
+                    if key != "engine":
+                        for k, p in params.items():
+                            p.grad = refs[key][k].clone()
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                    clipped[key] = (norm, take_grads(model))
+                row["clip"] = dict(norm=clipped["engine"][0].item(), max_norm=max_norm,
+                                   norm_vs_sum=abs(clipped["engine"][0].item() - clipped["sum"][0].item()),
+                                   norm_bitwise_flat=torch.equal(clipped["engine"][0], clipped["flat"][0]),
+                                   sum=_compare(clipped["engine"][1], clipped["sum"][1]),
+                                   flat=_compare(clipped["engine"][1], clipped["flat"][1]))
+            else:
+                row["p_grad_left"] = [k for k, p in model.named_parameters() if p.grad is not None]
+                for key, ref in refs.items():
+                    row[key] = _compare(*_shard_grads(engine, ref))
+                # ZeRO-2 clipping (docs/data_parallel.md): the global norm from the shards, against
+                # the reference's: dense once, experts once per EP index
+                sq = sum(v.grad.double().square().sum() for v in engine.shard_parameters())
+                dist.all_reduce(sq)
+                dense = sum(g.double().square().sum() for k, g in refs["sum"].items() if not is_expert(k))
+                expert = sum(g.double().square().sum() for k, g in refs["sum"].items() if is_expert(k))
+                dist.all_reduce(expert, group=ep)
+                row["clip"] = dict(norm=sq.sqrt().item(), ref=(dense + expert).sqrt().item())
+                for v in engine.shard_parameters():
+                    v.grad = None
+            out.append(row)
+    return out
+
+
 def timeline(rank: int, world: int, n_layers: int = 3, n: int = 3) -> dict:
     """A CPU timeline of one step (the second): stage calls from a ProgramRunner hook,
     reductions from the reducer's trace; and where the program places them."""
@@ -314,7 +393,8 @@ def bad_groups(rank: int, world: int) -> dict:
 def everything(rank: int, world: int) -> dict:
     """One 4-rank spawn for all the data-parallel tests."""
     return dict(numerics=numerics(rank, world, ["moe", "titan"], [1, 3]), train=train_steps(rank, world),
-                ep1=ep1_dp4(rank, world), timeline=timeline(rank, world), errors=bad_groups(rank, world))
+                ep1=ep1_dp4(rank, world), accumulation=accumulation(rank, world), timeline=timeline(rank, world),
+                errors=bad_groups(rank, world))
 
 
 
