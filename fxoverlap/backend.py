@@ -92,6 +92,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
+from fxoverlap.backend_outputs import plan_outputs
 from fxoverlap.config import ConfigError, OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.ir.errors import FxOverlapError
@@ -562,6 +563,10 @@ class CompiledStep(_CompiledProgram):
         seeded = set(capture_.tangents.values())
         self._differentiable = [o in seeded for o in capture_.outputs]
         self._tangent_pos = [capture_.outputs.index(o) for o in capture_.tangents.values()]
+        # outputs AOTAutograd gives no tangent (views of inputs or of other outputs): rebuilt from their base
+        arg_of = {ph: index_of[fqn] for ph, fqn in capture_.param_placeholders.items() if fqn in index_of}
+        arg_of.update(zip(capture_.input_placeholders, wrapper.plain_index))
+        self._outputs = plan_outputs(capture_, gm, arg_of, set(wrapper.diff_index))
 
     def __call__(self, *args):
         if not torch.is_grad_enabled():
@@ -574,7 +579,7 @@ class CompiledStep(_CompiledProgram):
             for k in range(len(self._segments) - 1, 0, -1):
                 token = _GradSegment.apply(run, k, token, *(args[i] for i in self._segments[k][1]))
         outs = _StepFunction.apply(run, token, *args)
-        return outs if isinstance(outs, tuple) else (outs,)
+        return self._outputs.rebuild(outs if isinstance(outs, tuple) else (outs,), args)
 
     def _token_device(self, args) -> torch.device:
         # the parameters' device: autograd then runs the chain on the thread that runs
