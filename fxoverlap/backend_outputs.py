@@ -115,7 +115,8 @@ def plan_outputs(capture: Capture, gm: torch.fx.GraphModule, arg_of: Mapping[str
                 rebuilds.append(_Rebuild(i, None, out, views, alias.requires_grad))
                 rebuilt = alias.base in seeded or (out < len(needs_grad) and needs_grad[out])
         if need and not rebuilt and capture.outputs[i] not in seeded:
-            what = f"AOTAutograd names it a {alias.kind} of {alias.base}" if alias is not None else "no alias"
+            what = (f"AOTAutograd names it a {alias.kind} of {alias.base}" if alias is not None
+                    else "AOTAutograd named no base for it")
             raise OutputGradError(
                 f"graph output {i} ({names[i]!r}) requires grad but has no tangent, and fxoverlap cannot "
                 f"rebuild it from its base ({what}; no view ops to replay on a base that requires grad): its "
