@@ -34,7 +34,9 @@ forward GraphModule, parameters lifted to graph inputs. The backend
    end (AOTAutograd's way, which costs a model's worth of gradients under gradient
    accumulation).
    Buffers (and inputs) the forward updates in place are updated right after the
-   stage that computes their new value.
+   stage that computes their new value. Outputs that are views of a graph input or of
+   another output (no tangent from AOTAutograd) are rebuilt from their base after the
+   Function, as AOTAutograd's runtime does (``fxoverlap/backend_outputs.py``).
 
 One joint graph instead of AOT's forward and backward compilers: the tag pass
 maps backward nodes to forward nodes by ``seq_nr`` within one graph; what
@@ -45,8 +47,8 @@ compiles the backward lazily, at the first ``backward()``, where falling back is
 no longer possible).
 
 Fallback: anything the backend cannot handle (dynamic-shape graph inputs, a
-graph output that is not a tensor, no output needing grad, a capture/tag/split
-error) makes it return the plain Dynamo GraphModule, which runs like eager, with a
+graph output that is not a tensor, no output needing grad, a differentiable output
+that has no tangent and cannot be rebuilt from its base, a capture/tag/split error) makes it return the plain Dynamo GraphModule, which runs like eager, with a
 :class:`FallbackWarning` (also logged) that names the reason. Under
 ``torch.no_grad()`` (inference) the backend compiles the forward-only program
 (:class:`CompiledForward`: the same passes, chunks and compiled stages, no autograd),
