@@ -34,7 +34,9 @@ forward GraphModule, parameters lifted to graph inputs. The backend
    end (AOTAutograd's way, which costs a model's worth of gradients under gradient
    accumulation).
    Buffers (and inputs) the forward updates in place are updated right after the
-   stage that computes their new value.
+   stage that computes their new value. Outputs that are views of a graph input or of
+   another output (no tangent from AOTAutograd) are rebuilt from their base after the
+   Function, as AOTAutograd's runtime does (``fxoverlap/backend_outputs.py``).
 
 One joint graph instead of AOT's forward and backward compilers: the tag pass
 maps backward nodes to forward nodes by ``seq_nr`` within one graph; what
@@ -45,8 +47,8 @@ compiles the backward lazily, at the first ``backward()``, where falling back is
 no longer possible).
 
 Fallback: anything the backend cannot handle (dynamic-shape graph inputs, a
-graph output that is not a tensor, no output needing grad, a capture/tag/split
-error) makes it return the plain Dynamo GraphModule, which runs like eager, with a
+graph output that is not a tensor, no output needing grad, a differentiable output
+that has no tangent and cannot be rebuilt from its base, a capture/tag/split error) makes it return the plain Dynamo GraphModule, which runs like eager, with a
 :class:`FallbackWarning` (also logged) that names the reason. Under
 ``torch.no_grad()`` (inference) the backend compiles the forward-only program
 (:class:`CompiledForward`: the same passes, chunks and compiled stages, no autograd),
@@ -92,6 +94,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
+from fxoverlap.backend_outputs import plan_outputs
 from fxoverlap.config import ConfigError, OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.ir.errors import FxOverlapError
@@ -562,6 +565,10 @@ class CompiledStep(_CompiledProgram):
         seeded = set(capture_.tangents.values())
         self._differentiable = [o in seeded for o in capture_.outputs]
         self._tangent_pos = [capture_.outputs.index(o) for o in capture_.tangents.values()]
+        # outputs AOTAutograd gives no tangent (views of inputs or of other outputs): rebuilt from their base
+        arg_of = {ph: index_of[fqn] for ph, fqn in capture_.param_placeholders.items() if fqn in index_of}
+        arg_of.update(zip(capture_.input_placeholders, wrapper.plain_index))
+        self._outputs = plan_outputs(capture_, gm, arg_of, set(wrapper.diff_index))
 
     def __call__(self, *args):
         if not torch.is_grad_enabled():
@@ -574,7 +581,7 @@ class CompiledStep(_CompiledProgram):
             for k in range(len(self._segments) - 1, 0, -1):
                 token = _GradSegment.apply(run, k, token, *(args[i] for i in self._segments[k][1]))
         outs = _StepFunction.apply(run, token, *args)
-        return outs if isinstance(outs, tuple) else (outs,)
+        return self._outputs.rebuild(outs if isinstance(outs, tuple) else (outs,), args)
 
     def _token_device(self, args) -> torch.device:
         # the parameters' device: autograd then runs the chain on the thread that runs

@@ -65,7 +65,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
 from fxoverlap.ir.errors import FxOverlapError
-from fxoverlap.ir.capture import Capture, Choice, SubclassLayout, inner_value
+from fxoverlap.ir.capture import Capture, Choice, OutputAlias, SubclassLayout, inner_value
 from fxoverlap.ir.meta import CHECKPOINT_KEY, LIST_KEY
 from fxoverlap.passes.layers import choose_container, resolve
 
@@ -355,6 +355,7 @@ def capture(
     _distinct_sink_values(gm)
     gm.recompile()
     roles = _roles(gm, train, _grad_layouts(joint))
+    roles["output_aliases"] = _output_aliases(gm, joint, roles["outputs"])
     # The mode that traced the graph holds its symbols: ours, or the ambient one under
     # torch.compile (AOTAutograd prefers the tracing context's fake mode to its inputs').
     traced = next((v.fake_mode for ph in gm.graph.find_nodes(op="placeholder")
@@ -369,6 +370,36 @@ def capture(
         signature=input_signature(inputs),
         layer_choice=choice,
     )
+
+
+def _output_aliases(gm: torch.fx.GraphModule, joint, outputs: list[str]) -> dict[int, OutputAlias]:
+    """The step outputs that alias an input or another output, from AOTAutograd's metadata
+    (private: checked on torch 2.13; where it is missing, none are named, and the backend
+    falls back for a differentiable output without a tangent)."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    state = getattr(joint, "_aot_state", None)
+    infos = getattr(getattr(state, "fw_metadata", None), "output_info", None) or []
+    arg_descs = getattr(state, "flat_args_descs", None) or []
+    placeholder_of = {n.meta.get("desc"): n.name for n in gm.graph.find_nodes(op="placeholder")}
+    n_user = len(infos)
+    kinds = {OutputType.is_input: "input", OutputType.alias_of_input: "view_of_input",
+             OutputType.alias_of_intermediate: "view_of_output",
+             OutputType.alias_of_intermediate_save_as_output: "view_of_output",
+             OutputType.alias_of_intermediate_base_is_user_output: "view_of_output"}
+    out: dict[int, OutputAlias] = {}
+    for i, info in enumerate(infos):
+        kind, k = kinds.get(info.output_type), info.base_idx
+        if kind is None or k is None:
+            continue  # not an alias AOTAutograd regenerates: the graph's own output, with its tangent
+        if kind != "view_of_output":  # an index into the step's flat inputs
+            base = placeholder_of.get(arg_descs[k]) if k < len(arg_descs) else None
+        elif info.output_type is OutputType.alias_of_intermediate_base_is_user_output:
+            base = outputs[k] if k < n_user else None
+        else:  # an index into the intermediate bases, returned after the step's outputs
+            base = outputs[n_user + k] if n_user + k < len(outputs) else None
+        out[i] = OutputAlias(kind, base, info.requires_grad, info.view_meta_sequence)
+    return out
 
 
 def _strip(fqn: str) -> str:
@@ -447,6 +478,7 @@ def _roles(gm: torch.fx.GraphModule, train: bool, grad_layouts: dict) -> dict:
         BufferAOTInput,
         GradAOTOutput,
         InputMutationAOTOutput,
+        IntermediateBaseAOTOutput,
         ParamAOTInput,
         PlainAOTInput,
         PlainAOTOutput,
@@ -487,6 +519,7 @@ def _roles(gm: torch.fx.GraphModule, train: bool, grad_layouts: dict) -> dict:
         by_part[(root, path)] = node.name
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     outputs, grads, mutations, output_of = [], {}, {}, {}
+    bases = []  # intermediates AOTAutograd returns as the base of two output views: after the outputs
     grad_parts, layouts, grad_opaque = {}, {}, {}
     for i, (val, desc) in enumerate(zip(out_node.args[0], out_node.meta.get("desc") or [])):
         name = val.name if isinstance(val, torch.fx.Node) else None
@@ -501,6 +534,9 @@ def _roles(gm: torch.fx.GraphModule, train: bool, grad_layouts: dict) -> dict:
             if name is None:
                 raise CaptureError(f"capture: step output {desc.idx} is not a tensor the graph computes")
             outputs.append(name)
+            output_of[desc] = name
+        elif isinstance(root, IntermediateBaseAOTOutput) and name is not None and not path:
+            bases.append(name)
             output_of[desc] = name
         elif isinstance(root, InputMutationAOTOutput):
             target = by_part.get((root.mutated_input, path))
@@ -540,6 +576,7 @@ def _roles(gm: torch.fx.GraphModule, train: bool, grad_layouts: dict) -> dict:
                    {grad_parts[v] for v, f in grads.items() if f == fqn and v in grad_parts}]
         if missing:
             raise CaptureError(f"capture: the gradient of {fqn} lacks its part(s) {missing} among the graph's outputs")
+    outputs += bases
     tangents = {ph: output_of[d] for ph, d in tangent_of.items() if d in output_of}
     if len(tangents) != len(tangent_of):
         raise CaptureError("capture: a tangent seeds a graph output that is not one of the step's outputs "

@@ -63,6 +63,22 @@ def inner_value(t, path: tuple[str, ...]):
 
 
 @dataclasses.dataclass(frozen=True)
+class OutputAlias:
+    """A step output that aliases a graph input or another output, which AOTAutograd gives no
+    tangent: its gradient reaches its base through the view (``fxoverlap/backend_outputs.py``
+    rebuilds it from the base). ``kind``: ``"input"`` (the input itself), ``"view_of_input"``
+    or ``"view_of_output"``; ``base``: the input placeholder, or the output value (an entry of
+    ``Capture.outputs``) it is a view of (None: not a plain one, e.g. a tensor-subclass part);
+    ``views``: the view ops functionalization recorded from the base (AOTAutograd's
+    ``ViewMetaSequence``; None when it recorded none)."""
+
+    kind: str
+    base: str | None
+    requires_grad: bool
+    views: object = None
+
+
+@dataclasses.dataclass(frozen=True)
 class OverflowSite:
     """One forward dispatch whose capacity is below the worst case."""
 
@@ -100,6 +116,11 @@ class Capture:
     ``grads`` (-> FQN) and ``grad_parts`` (-> attribute path), and
     ``grad_layouts[fqn]`` rebuilds the gradient from them (opaque leaves, such as a
     mesh, come from the placeholder named in ``grad_opaque``).
+
+    ``output_aliases`` (step output index -> :class:`OutputAlias`): the outputs that alias an
+    input or another output. Where two of them are views of one intermediate, AOTAutograd
+    returns that intermediate too: ``outputs`` then ends with it (after the step's own
+    outputs), with a tangent of its own.
     """
 
     graph_module: torch.fx.GraphModule
@@ -131,6 +152,7 @@ class Capture:
     overflow: OverflowFlags | None = None
     # the EP group size of fxoverlap's exchanges (the dispatcher pass); None: unknown (none of them)
     ep_size: int | None = None
+    output_aliases: dict[int, OutputAlias] = dataclasses.field(default_factory=dict)
 
     @property
     def loss_name(self) -> str:
