@@ -356,7 +356,7 @@ class InputChecks:
         the graph's comm ops exchange over a group of more than one rank, that group (then the
         EP ranks agree on the call that captured it). Refused (:class:`EPGroupError`) with data
         parallelism (its groups were checked for EP 1) or when the ops use two such groups."""
-        if self.ep_group is not None:
+        if self.ep_group is not None or not dist.is_initialized():
             return self.ep_group
         groups = {name: (g, nodes) for name, nodes in comm_groups(cap.graph_module).items()
                   if (g := _resolve(name)) is not None and dist.get_world_size(g) > 1}

@@ -305,3 +305,28 @@ def test_ep_group_none_adopts_the_group_of_the_captured_comm_ops():
         assert kind == "EPGroupError", (rank, kind, msg)
         assert "ep_group is None, but the model's comm ops exchange over group" in msg and "of ranks [0, 1]" in msg
         assert "pass that group: fxoverlap.optimize(model, ep_group=" in msg
+
+
+def test_microbatch_value_and_the_new_errors():
+    """A Microbatch is its flat tensor tuple (what the graph's placeholders take) plus the keyword
+    names; immutable, picklable; the new errors keep their builtin bases."""
+    import pickle
+
+    from fxoverlap.inputs import EPGroupError, Microbatch, as_microbatch, describe
+    from fxoverlap.ir.capture import FrozenError
+
+    a, b, c = torch.zeros(2), torch.ones(3, dtype=torch.int64), torch.ones(1)
+    mb = as_microbatch({"labels": b, "input_ids": c}, 0, "test")
+    assert tuple(mb) == (c, b) and mb.keywords == ("input_ids", "labels") and mb.args == ()
+    mixed = Microbatch((a, c, b), ("input_ids", "labels"))
+    assert mixed.args == (a,) and list(mixed.kwargs) == ["input_ids", "labels"] and mixed.kwargs["labels"] is b
+    assert describe(mixed) == "(float32[2], input_ids=float32[1], labels=int64[3])"
+    with pytest.raises(FrozenError):
+        mixed.keywords = ()
+    back = pickle.loads(pickle.dumps(mixed))
+    assert back.keywords == mixed.keywords and torch.equal(back[2], b)
+    from fxoverlap.passes.capture import input_signature
+    assert input_signature(mb) != input_signature((c, b))  # the names are part of the signature
+    for cls, base in ((EPGroupError, ValueError), (FrozenError, AttributeError)):
+        assert issubclass(cls, fxoverlap.FxOverlapError) and issubclass(cls, base)
+    assert fxoverlap.EPGroupError is EPGroupError and fxoverlap.engine.InputError is fxoverlap.InputError

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
+from fxoverlap.ir.errors import FxOverlapError, InternalError
+
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
@@ -55,6 +57,10 @@ class SubclassLayout:
         return self.cls.__tensor_unflatten__(inner, self.meta, self.outer_size, self.outer_stride)
 
 
+class FrozenError(FxOverlapError, AttributeError):
+    """An attribute of an immutable fxoverlap value (a :class:`Microbatch`) was set."""
+
+
 class Microbatch(tuple):
     """One microbatch as fxoverlap captures and runs it: a flat tuple of its tensors, the
     positional inputs first, then the keyword inputs, whose names are ``keywords`` (in that
@@ -68,12 +74,12 @@ class Microbatch(tuple):
         self = super().__new__(cls, tensors)
         keywords = tuple(keywords)
         if len(keywords) > len(self):
-            raise ValueError(f"Microbatch: {len(keywords)} keyword names for {len(self)} tensors")
+            raise InternalError(f"Microbatch: {len(keywords)} keyword names for {len(self)} tensors")
         object.__setattr__(self, "keywords", keywords)
         return self
 
     def __setattr__(self, name, value):
-        raise AttributeError(f"Microbatch is immutable (setting {name!r})")
+        raise FrozenError(f"Microbatch is immutable (setting {name!r}): build a new one")
 
     def __reduce__(self):
         return Microbatch, (tuple(self), self.keywords)
