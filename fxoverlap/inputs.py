@@ -134,7 +134,7 @@ def _hint(x: object) -> str:
         return ("a dict is a whole microbatch, passed as keyword arguments: [{'input_ids': ids, 'labels': "
                 "labels}, ...], not an entry of a tuple or list")
     if isinstance(x, (list, tuple)):
-        return "nested lists are not flattened: " + _ENTRY
+        return "nested tuples or lists are not flattened: " + _ENTRY
     if isinstance(x, (types.GeneratorType, Iterator)):
         return "a generator is consumed once and names no order: pass a tuple of the tensors in forward's order"
     if isinstance(x, (set, frozenset)):
@@ -191,14 +191,15 @@ def _check_list(microbatches: object, what: str) -> None:
         raise InputError(f"{what}: microbatches is a {type(microbatches).__name__} (keys {list(microbatches)}): one "
                          f"microbatch without its list? Pass a list of them: [batch] (each passed as "
                          f"model(**batch))")
-    unordered = isinstance(microbatches, (set, frozenset))
-    if isinstance(microbatches, (str, bytes, set, frozenset)) or type(microbatches).__module__ == "numpy" \
-            or not isinstance(microbatches, Iterable):
-        hint = "" if unordered or not (
-            microbatches is None or isinstance(microbatches, (str, bytes)) or type(microbatches).__module__ == "numpy"
-        ) else f" ({_hint(microbatches)})"
-        raise InputError(f"{what}: microbatches is a {_what(microbatches)}{hint}; pass a list of microbatches "
-                         f"in order{' (a set has none)' if unordered else ''}: {_ENTRY}")
+    if isinstance(microbatches, (set, frozenset)):
+        raise InputError(f"{what}: microbatches is a {type(microbatches).__name__}, which has no order; pass a "
+                         f"list of microbatches (the losses come back in its order): {_ENTRY}")
+    special = microbatches is None or isinstance(microbatches, (str, bytes)) or \
+        type(microbatches).__module__ == "numpy"
+    if special or not isinstance(microbatches, Iterable):
+        hint = f" ({_hint(microbatches)})" if special else ""
+        raise InputError(f"{what}: microbatches is a {_what(microbatches)}{hint}; pass a list of microbatches: "
+                         f"{_ENTRY}")
 
 
 def normalise(microbatches: object, what: str) -> list[Microbatch]:

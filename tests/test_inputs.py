@@ -171,7 +171,7 @@ def _generator():
 _UNSUPPORTED = {
     # name: (microbatches, type named, hint)
     "dict in a list of lists": ([[{"x": _X}]], "dict", "a dict is a whole microbatch, passed as keyword arguments"),
-    "nested lists": ([[[_X], [_X]]], "list whose entry 0 is a list", "nested lists are not flattened"),
+    "nested lists": ([[[_X], [_X]]], "list whose entry 0 is a list", "nested tuples or lists are not flattened"),
     "numpy microbatch": ([np.ones((4, 8), np.float32)] if np else None, "numpy.ndarray", "torch.from_numpy"),
     "numpy in a tuple": ([(_X, np.ones(3))] if np else None, "entry 1 is a numpy.ndarray", "torch.from_numpy"),
     "numpy microbatches": (np.ones((2, 4, 8), np.float32) if np else None, "microbatches is a numpy.ndarray",
@@ -184,8 +184,9 @@ _UNSUPPORTED = {
     "float in a tuple": ([(_X, 0.5)], "entry 1 is a float 0.5", "torch.tensor(value)"),
     "generator": ([_generator()], "microbatch 0 is a generator", "a tuple of the tensors in forward's order"),
     "set": ([{_X}], "microbatch 0 is a set", "a set has no order"),
+    "set of microbatches": ({_X}, "microbatches is a set, which has no order", "pass a list of microbatches"),
     "dict of microbatches": ({"x": _X}, "microbatches is a dict (keys ['x'])", "Pass a list of them: [batch]"),
-    "dict with a list value": ([{"x": [1, 2]}], r"microbatch 0['x'] is a list", "nested lists are not flattened"),
+    "dict with a list value": ([{"x": [1, 2]}], "microbatch 0['x'] is a list", "nested tuples or lists are not"),
     "dict with an int key": ([{0: _X}], "with key 0 of type int", "keyword arguments: str"),
 }
 
