@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,12 +14,13 @@ import torch.nn as nn
 from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.dispatch_ops import overflow_guard
-from fxoverlap.expert_parallel import ExpertParallelError, explain_capture_error
+from fxoverlap.expert_parallel import explain_capture_error
 from fxoverlap.grad_reduce import GradReduceConfigError, GradReduceError, GradReduction, check_groups
 from fxoverlap.ir.bucket import Bucket
-from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.stage import Stage, format_stage_table, render_rows as _render
 from fxoverlap.compiled_program import CompiledModel, CompiledProgram, ProgramSpec, compile_program
+from fxoverlap.inputs import (  # noqa: F401  (the errors and check_group: re-exported, public here before)
+    InputChecks, InputError, Microbatch, MicrobatchError, MicrobatchMismatch, check_group)
 from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.pipeline import check_disable_passes
 from fxoverlap.program_key import ProgramCache, ProgramKey, program_key, refuse_unsupported, wrapped_by_ddp
@@ -42,80 +42,12 @@ class PlanView:
         return format_stage_table(self.stages)
 
 
-class InputError(FxOverlapError, TypeError):
-    """``microbatches`` or a group passed to fxoverlap has the wrong type or shape of call;
-    the message says what was passed and what is expected."""
-
-
-class MicrobatchError(FxOverlapError, ValueError):
-    """The microbatches passed to ``forward_backward`` do not make one step (none, or two with
-    different input structures); the message says which."""
-
-
-class MicrobatchMismatch(FxOverlapError, ValueError):
-    """The ranks of the EP group called ``forward_backward`` with different microbatch counts
-    or input structures; raised on every rank, naming each rank's call."""
-
-
-def _as_tuple(mb) -> tuple:
-    return (mb,) if isinstance(mb, torch.Tensor) else tuple(mb)
-
-
-def check_group(group: object, name: str) -> None:
-    """``group`` must be a ``torch.distributed.ProcessGroup`` or None."""
-    if group is None or isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER:
-        return  # (what dist.new_group returns on a rank outside the group: torch's own value)
-    hint = ""
-    if type(group).__name__ == "DeviceMesh":
-        hint = " (a DeviceMesh: pass mesh['<dim>'].get_group())"
-    elif isinstance(group, int):
-        hint = " (a rank or group size? pass the group itself, e.g. dist.group.WORLD or dist.new_group(ranks))"
-    raise InputError(f"fxoverlap.optimize: {name} is {group!r}, of type {type(group).__name__}{hint}; it must be "
-                     f"a torch.distributed.ProcessGroup or None")
-
-
-def _check_call(model: nn.Module, loss_fn: Callable | None, mb: tuple, what: str) -> None:
-    """``model(*mb)`` and ``loss_fn(output, *mb)`` must bind: say what was passed and what they take."""
-    for fn, args, call in ((model.forward, mb, f"{type(model).__name__}.forward"),
-                           (loss_fn, (None, *mb), "loss_fn")):
-        if fn is None:
-            continue
-        try:
-            sig = inspect.signature(fn)
-        except (TypeError, ValueError):  # a builtin or C function: nothing to check
-            continue
-        try:
-            sig.bind(*args)
-        except TypeError as e:
-            shown = f"model(*microbatch)" if fn is not loss_fn else f"loss_fn(output, *microbatch)"
-            raise InputError(
-                f"{what}: microbatch 0 has {len(mb)} tensor(s) {_describe(mb)}, and fxoverlap calls {shown}, but "
-                f"{call}{sig} does not take them ({e}). Each microbatch is a tuple of the model's positional "
-                f"inputs; loss_fn gets the output and the same tuple: e.g. microbatches [(tokens, labels), ...] "
-                f"for forward(self, tokens, labels), or [(tokens,), ...] with loss_fn=lambda out, tokens: ..."
-            ) from None
-
-
-def _check_expert_split(model: nn.Module, ep_group: dist.ProcessGroup | None) -> None:
-    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-    for name, mod in model.named_modules():
-        for holder in (mod, getattr(mod, "cfg", None), getattr(mod, "config", None)):
-            n = getattr(holder, "n_experts", None) or getattr(holder, "num_experts", None)
-            if isinstance(n, int) and n % ep:
-                raise ExpertParallelError(
-                    f"fxoverlap.optimize: {name or 'model'} has {n} experts, which an expert-parallel "
-                    f"group of {ep} ranks cannot split evenly; use a group size that divides {n}"
-                )
-
-
 class Engine:
     """Runs a model's train steps as fxoverlap programs. Build with :func:`optimize`."""
 
     def __init__(self, model: nn.Module, ep_group: dist.ProcessGroup | None, config: OverlapConfig,
                  dp_group: dist.ProcessGroup | None = None, expert_dp_group: dist.ProcessGroup | None = None):
-        for group, name in ((ep_group, "ep_group"), (dp_group, "dp_group"), (expert_dp_group, "expert_dp_group")):
-            check_group(group, name)
-        _check_expert_split(model, ep_group)
+        self._inputs = InputChecks(model, ep_group, dp_group, expert_dp_group)  # groups, expert split
         refuse_unsupported(model)  # a DDP wrapper, a module backward hook: refused before any capture
         check_disable_passes(config.disable_passes)  # before any capture: the error comes first
         self.model, self.ep_group, self.config = model, ep_group, config
@@ -130,8 +62,6 @@ class Engine:
         # the compiled programs, by everything that changes their answer (fxoverlap/program_key.py)
         self.cache: ProgramCache[CompiledModel] = ProgramCache(
             config.max_programs, close=lambda entry: entry.close(self._cudagraphs))
-        self._agreed: set[tuple] = set()  # (signature, microbatch count) the EP ranks agreed on
-        self._called: set[tuple] = set()  # input signatures engine(*inputs) checked the model takes
         self._last: tuple[CompiledModel, CompiledProgram] | None = None
         self.memory_trace: list[tuple[str, int, int]] = []
         self.leftover: dict[int, list[str]] = {}  # record_memory: values left in the stores at the end
@@ -154,7 +84,7 @@ class Engine:
         """The capture and stages for calling the model on ``inputs`` with ``fn`` as its loss
         (``train``) or output function, in the model's current state: from the cache when the
         :class:`~fxoverlap.program_key.ProgramKey` matches, else traced and compiled anew."""
-        key = program_key(self.model, inputs, (), fn, "train" if train else "forward", self.config, self._groups)
+        key = program_key(self.model, inputs, getattr(inputs, "keywords", ()), fn, "train" if train else "forward", self.config, self._groups)
         entry = self.cache.get(key)
         if entry is None:
             why = self.cache.why_new(key, fn)
@@ -164,6 +94,8 @@ class Engine:
                 raise ddp
             cap = capture(self.model, inputs, fn, self.config.layer_container, train=train,
                           explain=explain_capture_error)
+            # ep_group=None: the group the comm ops use (the key keeps the group the user passed)
+            self.ep_group = self._inputs.adopt_group(cap)
             entry = CompiledModel.build(cap, self.config, self._device(), train)
             self.cache.put(key, entry)
         return entry
@@ -202,61 +134,9 @@ class Engine:
 
     # ---------------------------------------------------------------- running
     def _check(self, microbatches: Sequence, loss_fn: Callable | None = None,
-               what: str = "forward_backward") -> list[tuple]:
-        """The microbatches as tuples, checked against each other, the call contract
-        (``model(*mb)``, ``loss_fn(output, *mb)``) and, the first time, the other EP ranks."""
-        if isinstance(microbatches, torch.Tensor):
-            raise InputError(
-                f"{what}: microbatches is a tensor of shape {list(microbatches.shape)}, not a list of "
-                f"microbatches (fxoverlap would iterate over its rows); pass a list, each entry a tuple of the "
-                f"model's inputs: [(tokens0, labels0), (tokens1, labels1)], or [tokens0, tokens1] for one input"
-            )
-        if isinstance(microbatches, tuple) and microbatches and all(isinstance(t, torch.Tensor) for t in microbatches):
-            raise InputError(
-                f"{what}: microbatches is a tuple of {len(microbatches)} tensors {_describe(microbatches)}: one "
-                f"microbatch without its list? Pass a list of microbatches: [(tokens, labels)] for one "
-                f"microbatch of two inputs, or a list [t0, t1] for microbatches of one tensor each"
-            )
-        if not isinstance(microbatches, Iterable):
-            raise InputError(f"{what}: microbatches is a {type(microbatches).__name__}; pass a list of "
-                             f"microbatches, each a tuple of the model's inputs")
-        mbs = [_as_tuple(mb) for mb in microbatches]
-        if not mbs:
-            raise MicrobatchError(f"{what}: got an empty list of microbatches; pass at least one")
-        sig0 = input_signature(mbs[0])
-        for i, mb in enumerate(mbs[1:], 1):
-            if input_signature(mb) != sig0:
-                raise MicrobatchError(
-                    f"{what}: microbatch {i} has inputs {_describe(mb)} but microbatch 0 has "
-                    f"{_describe(mbs[0])}; all microbatches of one call must share shapes and dtypes "
-                    f"(a later call may use new shapes: it is captured anew)"
-                )
-        key = (input_signature(mbs[0]), len(mbs))
-        if key not in self._agreed:  # a call fxoverlap plans for: check once, before capturing
-            _check_call(self.model, loss_fn, mbs[0], what)
-            self._agree(mbs, what)
-            self._agreed.add(key)
-        return mbs
-
-    def _agree(self, mbs: list[tuple], what: str) -> None:
-        """Every rank of the EP group plans the same microbatch count and input structure
-        (number of tensors, dtypes, dims; shapes may differ): one small all-gather, so that a
-        mismatch is this clear error on every rank instead of a collective mismatch that
-        kills one rank and leaves the other with a reset connection."""
-        group = self.ep_group
-        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return
-        mine = (len(mbs), tuple((str(t.dtype), t.dim()) for t in mbs[0]), _describe(mbs[0]))
-        every: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, mine, group=group)
-        if len({(n, structure) for n, structure, _ in every}) > 1:
-            ranks = dist.get_process_group_ranks(group)
-            calls = "; ".join(f"rank {r}: {n} microbatch(es) of {d}" for r, (n, _, d) in zip(ranks, every))
-            raise MicrobatchMismatch(
-                f"{what}: the ranks of the expert-parallel group disagree on the microbatches ({calls}). "
-                f"Every EP rank runs the same program, with the same all-to-alls: give each rank the same number "
-                f"of microbatches with the same inputs (dtypes and dims; shapes may differ)"
-            )
+               what: str = "forward_backward", fn_name: str = "loss_fn") -> list[Microbatch]:
+        """The microbatches as :class:`Microbatch` es, checked (``fxoverlap.inputs``)."""
+        return self._inputs.check(microbatches, loss_fn, what, fn_name)
 
     def forward_backward(
         self, microbatches: Sequence, loss_fn: Callable | None = None
@@ -291,12 +171,9 @@ class Engine:
                              if (names := [v for v in st if v not in static])}
         return [out[cap.loss_name] for out in state.outputs]
 
-    def __call__(self, *inputs: torch.Tensor):
-        """Forward only, through the forward stage graphs; returns the model's output."""
-        if (sig := input_signature(inputs)) not in self._called:  # the call contract, once per signature
-            _check_call(self.model, None, inputs, "engine(*inputs)")
-            self._called.add(sig)
-        return self._forward_only([inputs], None)[0]
+    def __call__(self, *inputs: torch.Tensor, **kwargs: torch.Tensor):
+        """Forward only, through the forward stage graphs; returns ``model(*inputs, **kwargs)``."""
+        return self._forward_only([self._inputs.call(inputs, kwargs)], None)[0]
 
     def forward_only(self, microbatches: Sequence, output_fn: Callable | None = None) -> list:
         """The model's output for each of ``microbatches``, forward only (inference, evaluation),
@@ -310,7 +187,7 @@ class Engine:
         mode), or the updates of a buffer the forward changes in place that two layers share.
         Then one after the other, each cut into chunks, as ``engine(*mb)`` runs them.
         """
-        return self._forward_only(self._check(microbatches, None, "forward_only"), output_fn)
+        return self._forward_only(self._check(microbatches, output_fn, "forward_only", "output_fn"), output_fn)
 
     def _forward_only(self, mbs: list[tuple], output_fn: Callable | None) -> list:
         entry = self._compiled(mbs[0], output_fn, train=False)
@@ -395,11 +272,6 @@ class Engine:
     def cuda_graph_summary(self) -> list[dict]:
         """Per program: graphs captured, stages graphed, copies, pools, stages that fell back to eager."""
         return self._cudagraphs.summaries()
-
-
-def _describe(mb: Sequence[torch.Tensor]) -> str:
-    return "(" + ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" if isinstance(t, torch.Tensor)
-                           else type(t).__name__ for t in mb) + ")"
 
 
 def format_grad_table(buckets: Sequence[Bucket], reduction: GradReduction) -> str:

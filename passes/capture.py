@@ -5,7 +5,9 @@ Contract
 Assumes: the model's decoder layers are the entries of one ``nn.ModuleList`` or
 ``nn.ModuleDict`` (the outermost list whose entries hold every all-to-all, chosen by
 ``passes/layers.py``, or named by ``OverlapConfig.layer_container``),
-called once each per forward; the inputs are tensors; the loss is a scalar tensor
+called once each per forward; the inputs are tensors (a ``Microbatch``, ``fxoverlap.ir.capture``,
+names its last ones as keyword arguments: ``model(*args, **kwargs)``, ``loss_fn(out, *args,
+**kwargs)``); the loss is a scalar tensor
 (``scalar_loss=False``, for the torch.compile backend: any tensor outputs). Buffers
 and inputs the forward updates in place (a load-balance counter, a running
 statistic) are allowed; parameters updated in place are not. Tensor-subclass
@@ -65,7 +67,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
 from fxoverlap.ir.errors import FxOverlapError
-from fxoverlap.ir.capture import Capture, Choice, OutputAlias, SubclassLayout, inner_value
+from fxoverlap.ir.capture import Capture, Choice, OutputAlias, SubclassLayout, inner_value, split_inputs
 from fxoverlap.ir.meta import CHECKPOINT_KEY, LIST_KEY
 from fxoverlap.passes.layers import choose_container, resolve
 
@@ -101,7 +103,11 @@ def find_layers(model: nn.Module, container: str | None) -> dict[str, list[nn.Mo
 
 
 def input_signature(inputs: Sequence[torch.Tensor]) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for t in inputs)
+    """Each input's shape, dtype, device type and ``requires_grad``; for a :class:`Microbatch`
+    with keyword inputs, their names too (two key sets are two captures)."""
+    sig = tuple((tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for t in inputs)
+    keywords = getattr(inputs, "keywords", ())
+    return (*sig, ("**", keywords)) if keywords else sig
 
 
 def _describe(x) -> str:
@@ -117,15 +123,18 @@ class _TrainStep(nn.Module):
     as they are, one tensor or a tuple of tensors, and the caller seeds each one's
     gradient."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None, scalar_loss: bool = True):
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, scalar_loss: bool = True,
+                 keywords: Sequence[str] = ()):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.scalar_loss = scalar_loss
+        self.keywords = tuple(keywords)  # the names of the last inputs: passed as keyword arguments
 
     def forward(self, *inputs: torch.Tensor):
-        out = self.model(*inputs)
-        loss = out if self.loss_fn is None else self.loss_fn(out, *inputs)
+        args, kwargs = split_inputs(inputs, self.keywords)
+        out = self.model(*args, **kwargs)
+        loss = out if self.loss_fn is None else self.loss_fn(out, *args, **kwargs)
         if not self.scalar_loss:
             outs = loss if isinstance(loss, (tuple, list)) else (loss,)
             if bad := [i for i, o in enumerate(outs) if not isinstance(o, torch.Tensor)]:
@@ -134,9 +143,11 @@ class _TrainStep(nn.Module):
             return tuple(outs)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             if self.loss_fn is None:
+                hint = " (a Hugging Face output with its loss: loss_fn=lambda out, **batch: out.loss)" if (
+                    isinstance(getattr(loss, "loss", None), torch.Tensor)) else ""
                 raise CaptureError(
                     f"the model returned {_describe(loss)}, not a scalar loss, and no loss_fn was given: "
-                    f"pass loss_fn=lambda output, *inputs: <scalar> to forward_backward"
+                    f"pass loss_fn=lambda output, *inputs: <scalar> to forward_backward{hint}"
                 )
             raise CaptureError(f"loss_fn returned {_describe(loss)}; it must return a scalar tensor")
         return loss
@@ -147,14 +158,17 @@ class _Forward(nn.Module):
     *inputs)`` picks it from a structured output, ``engine.forward_only``'s), or with
     ``single=False`` a tuple of them (the backend's Dynamo graphs)."""
 
-    def __init__(self, model: nn.Module, single: bool = True, output_fn: Callable | None = None):
+    def __init__(self, model: nn.Module, single: bool = True, output_fn: Callable | None = None,
+                 keywords: Sequence[str] = ()):
         super().__init__()
         self.model, self.single, self.output_fn = model, single, output_fn
+        self.keywords = tuple(keywords)  # the names of the last inputs: passed as keyword arguments
 
     def forward(self, *inputs: torch.Tensor):
-        out = self.model(*inputs)
+        args, kwargs = split_inputs(inputs, self.keywords)
+        out = self.model(*args, **kwargs)
         if self.output_fn is not None:
-            out = self.output_fn(out, *inputs)
+            out = self.output_fn(out, *args, **kwargs)
         if not self.single and isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
             return tuple(out)
         if not isinstance(out, torch.Tensor):
@@ -325,7 +339,9 @@ def capture(
     else:  # annotated by the caller (the torch.compile backend, from nn_module_stack)
         candidates, sizes = {}, dict(lists)
     param_children: dict[str, dict[int, set[str]]] = {}
-    step = _TrainStep(model, loss_fn, scalar_loss) if train else _Forward(model, single=scalar_loss, output_fn=loss_fn)
+    keywords = getattr(inputs, "keywords", ())  # a Microbatch's keyword inputs
+    step = (_TrainStep(model, loss_fn, scalar_loss, keywords) if train
+            else _Forward(model, single=scalar_loss, output_fn=loss_fn, keywords=keywords))
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()

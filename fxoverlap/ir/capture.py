@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
+from fxoverlap.ir.errors import FxOverlapError, InternalError
+
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
@@ -53,6 +55,54 @@ class SubclassLayout:
         inner = {attr: sub.rebuild(leaf, prefix + (attr,)) if sub is not None else leaf(prefix + (attr,))
                  for attr, sub in self.attrs}
         return self.cls.__tensor_unflatten__(inner, self.meta, self.outer_size, self.outer_stride)
+
+
+class FrozenError(FxOverlapError, AttributeError):
+    """An attribute of an immutable fxoverlap value (a :class:`Microbatch`) was set."""
+
+
+class Microbatch(tuple):
+    """One microbatch as fxoverlap captures and runs it: a flat tuple of its tensors, the
+    positional inputs first, then the keyword inputs, whose names are ``keywords`` (in that
+    order). The flat tuple is what the graph's input placeholders take; the step calls
+    ``model(*mb.args, **mb.kwargs)``. A plain tuple of tensors is a microbatch without keywords.
+    Immutable, like the tuple it is."""
+
+    keywords: tuple[str, ...]
+
+    def __new__(cls, tensors, keywords: Sequence[str] = ()) -> Microbatch:
+        self = super().__new__(cls, tensors)
+        keywords = tuple(keywords)
+        if len(keywords) > len(self):
+            raise InternalError(f"Microbatch: {len(keywords)} keyword names for {len(self)} tensors")
+        object.__setattr__(self, "keywords", keywords)
+        return self
+
+    def __setattr__(self, name, value):
+        raise FrozenError(f"Microbatch is immutable (setting {name!r}): build a new one")
+
+    def __reduce__(self):
+        return Microbatch, (tuple(self), self.keywords)
+
+    @property
+    def args(self) -> tuple:
+        """The positional inputs."""
+        return tuple(self[: len(self) - len(self.keywords)])
+
+    @property
+    def kwargs(self) -> dict:
+        """The keyword inputs, by name."""
+        return dict(zip(self.keywords, self[len(self) - len(self.keywords):]))
+
+    def __repr__(self) -> str:
+        return f"Microbatch({tuple(self)!r}, keywords={self.keywords!r})"
+
+
+def split_inputs(inputs: Sequence, keywords: Sequence[str]) -> tuple[tuple, dict]:
+    """``inputs`` (a flat tuple whose last ``len(keywords)`` entries are named by ``keywords``)
+    as positional arguments and keyword arguments."""
+    n = len(inputs) - len(keywords)
+    return tuple(inputs[:n]), dict(zip(keywords, inputs[n:]))
 
 
 def inner_value(t, path: tuple[str, ...]):
