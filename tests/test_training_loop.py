@@ -383,3 +383,47 @@ def _ep_case(rank: int, world: int) -> None:
         m.layers[1].register_forward_hook(lambda mod, args, out: out * 2)
     step()
     assert engine.cache.compiles == 4
+
+
+# ---------------------------------------------------------------- the key's config and groups, the cache
+def test_config_and_groups_are_in_the_key():
+    from fxoverlap.program_key import program_key
+
+    model, mbs = _model(), _mbs()
+    key = functools.partial(program_key, model, mbs[0], (), _loss, "train")
+    base = key(EAGER, {"ep": None})
+    assert key(EAGER, {"ep": None}) == base
+    assert key(fxoverlap.OverlapConfig(compiler="eager", chunks=2), {"ep": None}).differences(base) == [
+        f"config: {EAGER!r} -> {fxoverlap.OverlapConfig(compiler='eager', chunks=2)!r}"]
+    assert key(EAGER, {"ep": None, "dp": None}) != base
+
+
+def test_the_cache_evicts_the_least_recently_used_and_closes_it():
+    from fxoverlap.program_key import ProgramCache, program_key
+
+    closed = []
+    cache = ProgramCache(2, close=closed.append)
+    model, x = _model(), _mbs()[0]
+    keys = [program_key(model, (x[0][:, :n],), (), _loss, "train", EAGER, {}) for n in (4, 8, 12)]
+    cache.put(keys[0], "a"), cache.put(keys[1], "b")
+    assert cache.get(keys[0]) == "a"  # now the most recent
+    cache.put(keys[2], "c")
+    assert closed == ["b"] and cache.get(keys[1]) is None and len(cache) == 2
+
+
+def test_every_compile_logs_why(caplog):
+    import logging
+
+    model, ref, engine = _pair()
+    mbs = _mbs()
+    with caplog.at_level(logging.INFO, logger="fxoverlap"):
+        engine.forward_backward(mbs, _loss)
+        model.layers[0].requires_grad_(False)
+        engine.forward_backward(mbs, _loss)
+        model.eval()
+        engine.forward_backward(mbs, _loss)
+    reasons = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
+    assert len(reasons) == 3
+    assert "first call" in reasons[0]
+    assert "params 'layers.0." in reasons[1] and "True" in reasons[1]
+    assert "now in eval mode" in reasons[2]
