@@ -6,12 +6,13 @@ from fxoverlap.dispatch_ops import DispatchOverflow
 from fxoverlap.engine import Engine, InputError, MicrobatchMismatch, optimize
 from fxoverlap.expert_parallel import expert_parallel
 from fxoverlap.inputs import EPGroupError
+from fxoverlap.program_key import ProgramKey, RepeatedRecompileWarning, UnsupportedModelState
 from fxoverlap.region import region
 from fxoverlap.pipeline_parallel import pipeline_schedule
 from fxoverlap.runtime import StageFailed
 from fxoverlap.ir.stage import Direction, Stage, StageKind, StreamKind
 
-__all__ = ["ConfigError", "DispatchOverflow", "FxOverlapError", "Engine", "EPGroupError", "InputError", "MicrobatchMismatch", "optimize", "pipeline_schedule", "expert_parallel", "OverlapConfig", "region", "StageFailed", "Direction", "Stage", "StageKind", "StreamKind"]
+__all__ = ["ConfigError", "DispatchOverflow", "FxOverlapError", "Engine", "EPGroupError", "InputError", "MicrobatchMismatch", "optimize", "pipeline_schedule", "expert_parallel", "OverlapConfig", "ProgramKey", "region", "RepeatedRecompileWarning", "StageFailed", "UnsupportedModelState", "Direction", "Stage", "StageKind", "StreamKind"]
 __version__ = "0.1.0"
 
 from fxoverlap import backend  # noqa: E402,F401  (registers torch.compile backend "fxoverlap")

@@ -290,6 +290,16 @@ def test_a_fresh_lambda_each_call_reuses_one_program():
     assert engine.cache.compiles == 1
 
 
+def test_a_fresh_output_fn_each_forward_only_call_reuses_one_program():
+    model, ref, engine = _pair()
+    mbs = _mbs(3)
+    for i in range(4):
+        outs = engine.forward_only(mbs, output_fn=lambda out, tokens: out[:, -1])
+        with torch.no_grad():
+            assert all(torch.equal(o, ref(*mb)[:, -1]) for o, mb in zip(outs, mbs, strict=True))
+    assert engine.cache.compiles == 1
+
+
 def test_closure_values_are_in_the_key_and_the_cache_is_bounded():
     model, ref, engine = _pair()
     mbs = _mbs(1)
