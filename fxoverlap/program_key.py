@@ -22,7 +22,7 @@ import functools
 import inspect
 import logging
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -240,29 +240,49 @@ def refuse_unsupported(model: nn.Module) -> None:
       or the global ones): the backward is traced once, so such a hook would run at capture
       only and never again.
     """
-    ddp = torch.nn.parallel.DistributedDataParallel
+    _refuse_global_backward_hooks()
     for name, mod in model.named_modules():
-        if isinstance(mod, ddp):
+        _refuse_module(name, mod)
+
+
+def _refuse_module(name: str, mod: nn.Module) -> None:
+    if isinstance(mod, torch.nn.parallel.DistributedDataParallel):
+        raise UnsupportedModelState(
+            f"fxoverlap: {name or 'the model'} is wrapped in DistributedDataParallel. fxoverlap runs the "
+            f"backward itself, so DDP's gradient reduction would never run and the replicas would drift "
+            f"apart. Pass the unwrapped module (ddp.module) and let fxoverlap reduce the gradients: "
+            f"fxoverlap.optimize(model, ep_group, dp_group=<the data-parallel group>)")
+    for kind in _BACKWARD_HOOKS:
+        if hooks := getattr(mod, kind, None):
             raise UnsupportedModelState(
-                f"fxoverlap: {name or 'the model'} is wrapped in DistributedDataParallel. fxoverlap runs the "
-                f"backward itself, so DDP's gradient reduction would never run and the replicas would drift "
-                f"apart. Pass the unwrapped module (ddp.module) and let fxoverlap reduce the gradients: "
-                f"fxoverlap.optimize(model, ep_group, dp_group=<the data-parallel group>)")
-        for kind in _BACKWARD_HOOKS:
-            hooks = getattr(mod, kind, None)
-            if hooks:
-                raise UnsupportedModelState(
-                    f"fxoverlap: module {name or '<model>'} ({type(mod).__name__}) has a module backward hook "
-                    f"({_hook_name(next(iter(hooks.values())))}, in {kind}). The backward is traced once, so "
-                    f"the hook would run at capture only, not at each step. Remove it, or hook the gradients "
-                    f"fxoverlap honours at each step: p.register_hook(fn) on a parameter, or "
-                    f"p.register_post_accumulate_grad_hook(fn)")
+                f"fxoverlap: module {name or '<model>'} ({type(mod).__name__}) has a module backward hook "
+                f"({_hook_name(next(iter(hooks.values())))}, in {kind}). The backward is traced once, so "
+                f"the hook would run at capture only, not at each step. Remove it, or hook the gradients "
+                f"fxoverlap honours at each step: p.register_hook(fn) on a parameter, or "
+                f"p.register_post_accumulate_grad_hook(fn)")
+
+
+def _refuse_global_backward_hooks() -> None:
     for kind in _BACKWARD_HOOKS:
         if hooks := _global_hooks(kind):
             raise UnsupportedModelState(
                 f"fxoverlap: a global module backward hook is registered ({_hook_name(next(iter(hooks.values())))},"
                 f" torch.nn.modules.module._global{kind}); the backward is traced once, so it would run at capture "
                 f"only. Remove it while fxoverlap runs the model")
+
+
+def _module_state(model: nn.Module) -> tuple[tuple[str, ...], tuple]:
+    """One pass over the modules: the ones not in training mode, the forward hooks (global ones
+    first) by handle, and the refusals of :func:`refuse_unsupported`."""
+    _refuse_global_backward_hooks()
+    evals: list[str] = []
+    hooks = [("<global>", kind, tuple(g)) for kind in _MODULE_HOOKS if (g := _global_hooks(kind))]
+    for name, mod in model.named_modules():
+        _refuse_module(name, mod)
+        if not mod.training:
+            evals.append(name)
+        hooks.extend((name, kind, tuple(d)) for kind in _MODULE_HOOKS if (d := getattr(mod, kind, None)))
+    return tuple(evals), tuple(hooks)
 
 
 def wrapped_by_ddp(model: nn.Module) -> UnsupportedModelState | None:
@@ -286,16 +306,6 @@ def wrapped_by_ddp(model: nn.Module) -> UnsupportedModelState | None:
     return None
 
 
-def _forward_hooks(model: nn.Module) -> Iterator[tuple]:
-    for kind in _MODULE_HOOKS:
-        if g := _global_hooks(kind):
-            yield ("<global>", kind, tuple(g))
-    for name, mod in model.named_modules():
-        for kind in _MODULE_HOOKS:
-            if d := getattr(mod, kind, None):
-                yield (name, kind, tuple(d))
-
-
 def group_keys(groups: dict[str, dist.ProcessGroup | None]) -> tuple:
     """Each group by role: its name and size (the comm ops name the group they run on)."""
     return tuple((role, None, 1) if g is None or not dist.is_initialized()
@@ -308,7 +318,7 @@ def program_key(model: nn.Module, inputs: Sequence[torch.Tensor], keywords: tupl
     them passed by those keywords) with ``fn`` as the loss (``role="train"``) or output
     (``"forward"``) function. Raises :class:`UnsupportedModelState` for a model no program can
     honour (:func:`refuse_unsupported`)."""
-    refuse_unsupported(model)
+    eval_modules, hooks = _module_state(model)
     names = (None,) * (len(inputs) - len(keywords)) + tuple(keywords)
     return ProgramKey(
         role=role,
@@ -316,11 +326,11 @@ def program_key(model: nn.Module, inputs: Sequence[torch.Tensor], keywords: tupl
         params=tuple((n, *_tensor_meta(p)) for n, p in model.named_parameters(remove_duplicate=False)),
         buffers=tuple((n, *_tensor_meta(b)[:4], _tensor_meta(b)[5])
                       for n, b in model.named_buffers(remove_duplicate=False)),
-        eval_modules=tuple(n for n, m in model.named_modules() if not m.training),
+        eval_modules=eval_modules,
         grad_mode=torch.is_grad_enabled(),
         autocast=tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
         deterministic=torch.are_deterministic_algorithms_enabled(),
-        hooks=tuple(_forward_hooks(model)),
+        hooks=hooks,
         fn=fn_key(fn),
         config=repr(config),
         groups=group_keys(groups),
