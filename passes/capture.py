@@ -289,16 +289,18 @@ def _mark_checkpoints():
 
 @contextlib.contextmanager
 def _annotate_layers(lists: dict[str, list[nn.Module]], param_children: dict[str, dict[int, set[str]]],
-                     runs: dict[str, dict[int, int]] | None = None):
+                     runs: dict[str, dict[int, int]] | None = None, shared: frozenset[int] = frozenset()):
     """Annotate the ops of each candidate list's entry ``i`` (and of its children) with
     ``{LIST_KEY: {list: (i, child)}}``; ``param_children[list][i]``: the children with
     parameters that ran; ``runs[list][i]``: how many times entry ``i`` was called. A module in
     two lists (or nested lists) gets both entries.
 
-    A child is annotated by the layer that is running when it is called, not by the module
-    object: a submodule shared by two layers (one norm registered in both) gets each call's
-    layer, and one called outside every entry of a list (also kept as ``model.norm``) none of
-    that list's. Its hooks for the other layers push a no-op, so every post-hook pops its own."""
+    A child in ``shared`` (the ids of modules registered under more than one path) is annotated
+    by the layer running when it is called, not by the module object: a norm shared by two
+    layers gets each call's layer, and one also called outside the list (kept as ``model.norm``
+    too) none of that list's; its hooks for the other layers push a no-op, so every post-hook
+    pops its own. A child registered once keeps its layer even where the layer's own hooks did
+    not run (a model calling ``layer.forward(x)`` directly)."""
     handles, open_ctx = [], []
 
     def current() -> dict:
@@ -323,8 +325,8 @@ def _annotate_layers(lists: dict[str, list[nn.Module]], param_children: dict[str
 
     def child_pre(m, a, lname: str, i: int, name: str, has_params: bool):
         running = current().get(lname)
-        if running is None or running[0] != i:  # a call by another layer, or outside the list
-            open_ctx.append(None)
+        if (running is None and id(m) in shared) or (running is not None and running[0] != i):
+            open_ctx.append(None)  # a shared module's call by another layer, or outside the list
             return
         if has_params:
             param_children.setdefault(lname, {}).setdefault(i, set()).add(name)
@@ -346,6 +348,15 @@ def _annotate_layers(lists: dict[str, list[nn.Module]], param_children: dict[str
             h.remove()
         while open_ctx:  # an exception inside a layer left its annotation open
             leave()
+
+
+def _shared_modules(model: nn.Module) -> frozenset[int]:
+    """The ids of the modules registered under more than one path in ``model``."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for _, m in model.named_modules(remove_duplicate=False):
+        (shared if id(m) in seen else seen).add(id(m))
+    return frozenset(shared)
 
 
 def _paths(model: nn.Module, module: nn.Module) -> list[str]:
@@ -435,7 +446,7 @@ def capture(
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()
     try:
         with (_restore_state(model), fx_traceback.preserve_node_meta(),
-              _annotate_layers(candidates, param_children, runs), _mark_checkpoints(),
+              _annotate_layers(candidates, param_children, runs, _shared_modules(model)), _mark_checkpoints(),
               contextlib.ExitStack() as stack, grad_mode):
             joint = aot_export_joint_with_descriptors(stack, step, fake_inputs)
     except CaptureError:

@@ -190,3 +190,23 @@ def test_layer_called_under_a_second_name_is_refused_naming_both_paths():
     model, _ = _layer_run_twice(cases.shared_model("first"))
     with pytest.raises(CaptureError, match=r"registered as 'tok_embeddings\.1' and 'layers\.0' and 'first'"):
         capture(model, _batches(1)[0])
+
+
+def test_layer_called_without_its_hooks_keeps_its_children_annotated():
+    """A model calling ``layer.forward(x)`` (no module hooks on the layer): children registered
+    once still carry their layer, so the layers are found as before."""
+    from fxoverlap.passes import split
+
+    class Direct(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer.forward(x)
+            return x.pow(2).sum()
+
+    cap = capture(Direct(), (torch.randn(4, 8),))
+    names = [s.name for s in split(tag(cap), cap.num_layers)]
+    assert cap.num_layers == 2 and "fwd_l0_mlp" in names and "fwd_l1_mlp" in names
