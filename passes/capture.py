@@ -34,7 +34,12 @@ carry the ``seq_nr`` of the forward op they differentiate. Inputs are faked with
 shapes under a ``ShapeEnv``, so a data-dependent dispatch (dropless routing) gets an
 unbacked row count and one capture serves every routing outcome. Nothing runs on
 real data and nothing is communicated. A model that cannot be traced raises
-:class:`CaptureError` saying why and what to change.
+:class:`CaptureError` saying why and what to change. Whether the capture succeeds or fails,
+every module's parameters and buffers are afterwards the objects they were before it
+(:func:`_restore_state`), so eager keeps working. A submodule registered under two paths
+(shared by two layers, or also kept as ``model.first``) is one set of placeholders, named by
+its first path (:class:`_Step`), and its ops carry the layer that ran each call; a decoder
+layer that runs twice per forward raises :class:`CaptureError` naming its paths.
 
 Steps
 -----
@@ -42,7 +47,8 @@ Steps
 2. Trace the train step (``_TrainStep``: model + loss) under forward hooks that
    annotate each layer's and child's ops (``_annotate_layers``) and with checkpoint
    calls marked (``_mark_checkpoints``).
-3. Choose the layer list from where the all-to-alls ran (``layers.choose_container``)
+3. Choose the layer list from where the all-to-alls ran (``layers.choose_container``),
+   check each of its entries ran once (``_check_layers_run_once``),
    and keep only its annotations (``layers.resolve``). Give each handed-out value a node of its own (``_distinct_sink_values``).
 4. Name placeholders and outputs by role from AOTAutograd's descriptors and the
    subclass layouts of the gradients (``_roles``, ``_grad_layouts``).
