@@ -1,6 +1,6 @@
 """fxoverlap: FX graph passes that overlap expert-parallel all-to-all with compute."""
 
-from fxoverlap.config import ConfigError, OverlapConfig
+from fxoverlap.config import ConfigError, OverlapConfig, UnknownConfigField
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.dispatch_ops import DispatchOverflow
 from fxoverlap.engine import Engine, InputError, MicrobatchMismatch, optimize
@@ -12,7 +12,7 @@ from fxoverlap.pipeline_parallel import pipeline_schedule
 from fxoverlap.runtime import StageFailed
 from fxoverlap.ir.stage import Direction, Stage, StageKind, StreamKind
 
-__all__ = ["ConfigError", "DispatchOverflow", "FxOverlapError", "Engine", "EPGroupError", "InputError", "MicrobatchMismatch", "optimize", "pipeline_schedule", "expert_parallel", "OverlapConfig", "ProgramKey", "region", "RepeatedRecompileWarning", "StageFailed", "UnsupportedModelState", "Direction", "Stage", "StageKind", "StreamKind"]
+__all__ = ["ConfigError", "DispatchOverflow", "FxOverlapError", "Engine", "EPGroupError", "InputError", "MicrobatchMismatch", "optimize", "pipeline_schedule", "expert_parallel", "OverlapConfig", "ProgramKey", "region", "RepeatedRecompileWarning", "StageFailed", "UnknownConfigField", "UnsupportedModelState", "Direction", "Stage", "StageKind", "StreamKind"]
 __version__ = "0.1.0"
 
 from fxoverlap import backend  # noqa: E402,F401  (registers torch.compile backend "fxoverlap")

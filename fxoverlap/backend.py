@@ -81,7 +81,6 @@ Options: ``torch.compile(model, backend="fxoverlap", options={...})`` with
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import logging
 import re
@@ -95,7 +94,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
 from fxoverlap.backend_outputs import plan_outputs
-from fxoverlap.config import ConfigError, OverlapConfig
+from fxoverlap.config import ConfigError, OverlapConfig, UnknownConfigField, unknown_names
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import CHECKPOINT_KEY
@@ -861,13 +860,9 @@ def backend_config(options: dict | None = None, mode: str | None = None, **kwarg
         else:
             unknown.append(k)
     if unknown:
-        known = sorted({*fields, *_ALIASES, *inductor_names})
-        lines = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), known, n=3)
-            lines.append(f"{k!r}" + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
-        raise ConfigError(
-            f"fxoverlap backend: unknown option {', '.join(lines)}: an option is an OverlapConfig field "
+        raise UnknownConfigField(
+            f"fxoverlap backend: unknown option {unknown_names(unknown, {*fields, *_ALIASES, *inductor_names})}: "
+            f"an option is an OverlapConfig field "
             f"({', '.join(sorted(fields))}; 'overlap' is side_stages) or an Inductor option (a key of "
             f"torch._inductor.config.get_config_copy(), dotted for its sub-configs: 'triton.cudagraphs')")
     refused = [k for k in UNSUPPORTED_FIELDS if k in cfg and cfg[k] != fields[k].default]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from fxoverlap.ir.errors import FxOverlapError
@@ -30,6 +32,23 @@ DEFAULT_CUDA_SM_CARVEOUT = 24
 class ConfigError(FxOverlapError, ValueError):
     """A setting fxoverlap cannot take: an ``OverlapConfig`` field out of range, an option the
     ``"fxoverlap"`` backend does not know or cannot honour; the message names it and the fix."""
+
+
+class UnknownConfigField(ConfigError, TypeError):
+    """A setting name fxoverlap does not know: an ``OverlapConfig`` keyword that is no field of it,
+    an option of the ``"fxoverlap"`` backend that is neither a field nor an Inductor option. The
+    message names it and its closest known names. A TypeError, as Python's own "unexpected keyword
+    argument" is, and a ConfigError (so a ValueError)."""
+
+
+def unknown_names(names: Iterable[object], known: Iterable[str]) -> str:
+    """``names`` as ``'chunk' (did you mean 'chunks'?), 'x'``: each with its closest ``known`` names."""
+    known = sorted(set(known))
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(str(name), known, n=3)
+        parts.append(f"{name!r}" + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
+    return ", ".join(parts)
 
 
 class DispatcherUnavailable(ConfigError, ImportError):
@@ -276,3 +295,22 @@ class OverlapConfig:
         if self.compiler is not None:
             return self.compiler
         return "inductor" if device_type == "cuda" else "eager"
+
+
+def _check_field_names(init):
+    """Wrap the dataclass's ``__init__`` so an unknown keyword raises :class:`UnknownConfigField`
+    with the closest field names, not Python's bare "unexpected keyword argument" TypeError."""
+
+    @functools.wraps(init)  # keeps the signature (inspect follows __wrapped__)
+    def __init__(self, *args, **kwargs):
+        fields = {f.name for f in dataclasses.fields(OverlapConfig) if f.init}
+        if unknown := [k for k in kwargs if k not in fields]:
+            raise UnknownConfigField(
+                f"OverlapConfig: unknown field {unknown_names(unknown, fields)}; its fields are "
+                f"{', '.join(sorted(fields))}")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+OverlapConfig.__init__ = _check_field_names(OverlapConfig.__init__)

@@ -36,7 +36,12 @@ carry the ``seq_nr`` of the forward op they differentiate. Inputs are faked with
 shapes under a ``ShapeEnv``, so a data-dependent dispatch (dropless routing) gets an
 unbacked row count and one capture serves every routing outcome. Nothing runs on
 real data and nothing is communicated. A model that cannot be traced raises
-:class:`CaptureError` saying why and what to change.
+:class:`CaptureError` saying why and what to change. Whether the capture succeeds or fails,
+every module's parameters and buffers are afterwards the objects they were before it
+(:func:`_restore_state`), so eager keeps working. A submodule registered under two paths
+(shared by two layers, or also kept as ``model.first``) is one set of placeholders, named by
+its first path (:class:`_Step`), and its ops carry the layer that ran each call; a decoder
+layer that runs twice per forward raises :class:`CaptureError` naming its paths.
 
 Steps
 -----
@@ -44,7 +49,8 @@ Steps
 2. Trace the train step (``_TrainStep``: model + loss) under forward hooks that
    annotate each layer's and child's ops (``_annotate_layers``) and with checkpoint
    calls marked (``_mark_checkpoints``).
-3. Choose the layer list from where the all-to-alls ran (``layers.choose_container``)
+3. Choose the layer list from where the all-to-alls ran (``layers.choose_container``),
+   check each of its entries ran once (``_check_layers_run_once``),
    and keep only its annotations (``layers.resolve``). Give each handed-out value a node of its own (``_distinct_sink_values``).
 4. Name placeholders and outputs by role from AOTAutograd's descriptors and the
    subclass layouts of the gradients (``_roles``, ``_grad_layouts``).
@@ -58,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
@@ -116,7 +123,61 @@ def _describe(x) -> str:
     return f"a {type(x).__name__}"
 
 
-class _TrainStep(nn.Module):
+class _Step(nn.Module):
+    """Base of the traced step modules: each parameter and buffer *slot* is listed once.
+
+    AOTAutograd lists the step's tensors with ``remove_duplicate=False`` and swaps each name for
+    its traced stand-in (``torch.nn.utils.stateless._reparametrize_module``). A submodule
+    registered under two paths (a norm shared by two layers, a block also kept as
+    ``model.first``) would be swapped twice through its one slot, so the restore after the trace
+    left the first stand-in there (the model's parameters left as FunctionalTensors), and the
+    trace read only the second name's placeholder. Here each module is visited once, under its
+    first path (as ``model.named_parameters()`` names it), while one tensor held in two modules'
+    slots (tied embedding and output weights) keeps a name per slot, as before, and gets a
+    gradient per slot that the runtime sums."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        if remove_duplicate:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return _slots(self, "_parameters", prefix, recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        if remove_duplicate:
+            return super().named_buffers(prefix, recurse, remove_duplicate)
+        return _slots(self, "_buffers", prefix, recurse)
+
+
+def _slots(module: nn.Module, kind: str, prefix: str, recurse: bool):
+    """(name, tensor) of every non-None entry of each module's ``kind`` dict, each module once."""
+    mods = module.named_modules(prefix=prefix) if recurse else [(prefix, module)]
+    for path, mod in mods:
+        for name, t in getattr(mod, kind).items():
+            if t is not None:
+                yield (f"{path}.{name}" if path else name), t
+
+
+@contextlib.contextmanager
+def _restore_state(model: nn.Module):
+    """Put every module's parameters and buffers back as they were when the block ends, however
+    it ends: a trace swaps them for stand-ins, and a failure, or a model that registers a tensor
+    while it runs (under fake tensors), must not leave one behind for eager to trip on."""
+    saved = [(m, kind, dict(getattr(m, kind))) for m in model.modules() for kind in ("_parameters", "_buffers")]
+    try:
+        yield
+    finally:
+        for m, kind, before in saved:
+            now = getattr(m, kind)
+            for name in [n for n in now if n not in before]:
+                del now[name]
+            for name, t in before.items():
+                if now.get(name, _ABSENT) is not t:
+                    now[name] = t
+
+
+_ABSENT = object()
+
+
+class _TrainStep(_Step):
     """model + loss as one module, so the joint graph ends at the loss.
 
     ``scalar_loss=False`` (the torch.compile backend): the model's outputs are returned
@@ -153,7 +214,7 @@ class _TrainStep(nn.Module):
         return loss
 
 
-class _Forward(nn.Module):
+class _Forward(_Step):
     """The forward alone: one output tensor (``optimize``'s ``engine(*inputs)``; ``output_fn(out,
     *inputs)`` picks it from a structured output, ``engine.forward_only``'s), or with
     ``single=False`` a tuple of them (the backend's Dynamo graphs)."""
@@ -247,32 +308,57 @@ def _mark_checkpoints():
 
 
 @contextlib.contextmanager
-def _annotate_layers(lists: dict[str, list[nn.Module]], param_children: dict[str, dict[int, set[str]]]):
+def _annotate_layers(lists: dict[str, list[nn.Module]], param_children: dict[str, dict[int, set[str]]],
+                     runs: dict[str, dict[int, int]] | None = None, shared: frozenset[int] = frozenset()):
     """Annotate the ops of each candidate list's entry ``i`` (and of its children) with
     ``{LIST_KEY: {list: (i, child)}}``; ``param_children[list][i]``: the children with
-    parameters that ran. A module in two lists (or nested lists) gets both entries."""
+    parameters that ran; ``runs[list][i]``: how many times entry ``i`` was called. A module in
+    two lists (or nested lists) gets both entries.
+
+    A child in ``shared`` (the ids of modules registered under more than one path) is annotated
+    by the layer running when it is called, not by the module object: a norm shared by two
+    layers gets each call's layer, and one also called outside the list (kept as ``model.norm``
+    too) none of that list's; its hooks for the other layers push a no-op, so every post-hook
+    pops its own. A child registered once keeps its layer even where the layer's own hooks did
+    not run (a model calling ``layer.forward(x)`` directly)."""
     handles, open_ctx = [], []
 
+    def current() -> dict:
+        return dict((fx_traceback.get_current_meta().get("custom") or {}).get(LIST_KEY) or {})
+
     def enter(name: str, value: tuple[int, str | None]):
-        current = dict((fx_traceback.get_current_meta().get("custom") or {}).get(LIST_KEY) or {})
-        current[name] = value
-        cm = fx_traceback.annotate({LIST_KEY: current})
+        lists_now = current()
+        lists_now[name] = value
+        cm = fx_traceback.annotate({LIST_KEY: lists_now})
         cm.__enter__()
         open_ctx.append(cm)
 
     def leave(*_):
-        open_ctx.pop().__exit__(None, None, None)
+        cm = open_ctx.pop()
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def layer_pre(m, a, lname: str, i: int):
+        if runs is not None:
+            runs.setdefault(lname, {})[i] = runs.get(lname, {}).get(i, 0) + 1
+        enter(lname, (i, None))
+
+    def child_pre(m, a, lname: str, i: int, name: str, has_params: bool):
+        running = current().get(lname)
+        if (running is None and id(m) in shared) or (running is not None and running[0] != i):
+            open_ctx.append(None)  # a shared module's call by another layer, or outside the list
+            return
+        if has_params:
+            param_children.setdefault(lname, {}).setdefault(i, set()).add(name)
+        enter(lname, (i, name))
 
     for lname, layers in lists.items():
         for i, layer in enumerate(layers):
-            handles.append(layer.register_forward_pre_hook(lambda m, a, lname=lname, i=i: enter(lname, (i, None))))
+            handles.append(layer.register_forward_pre_hook(functools.partial(layer_pre, lname=lname, i=i)))
             handles.append(layer.register_forward_hook(leave))
             for name, child in unwrap(layer).named_children():
-                def pre(m, a, lname=lname, i=i, name=name, has_params=any(True for _ in child.parameters())):
-                    if has_params:
-                        param_children.setdefault(lname, {}).setdefault(i, set()).add(name)
-                    enter(lname, (i, name))
-
+                pre = functools.partial(child_pre, lname=lname, i=i, name=name,
+                                        has_params=any(True for _ in child.parameters()))
                 handles.append(child.register_forward_pre_hook(pre))
                 handles.append(child.register_forward_hook(leave))
     try:
@@ -282,6 +368,38 @@ def _annotate_layers(lists: dict[str, list[nn.Module]], param_children: dict[str
             h.remove()
         while open_ctx:  # an exception inside a layer left its annotation open
             leave()
+
+
+def _shared_modules(model: nn.Module) -> frozenset[int]:
+    """The ids of the modules registered under more than one path in ``model``."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for _, m in model.named_modules(remove_duplicate=False):
+        (shared if id(m) in seen else seen).add(id(m))
+    return frozenset(shared)
+
+
+def _paths(model: nn.Module, module: nn.Module) -> list[str]:
+    """Every attribute path under which ``module`` is registered in ``model``."""
+    return [name for name, m in model.named_modules(remove_duplicate=False) if m is module]
+
+
+def _check_layers_run_once(model: nn.Module, container: str, layers: list[nn.Module],
+                           runs: Mapping[int, int]) -> None:
+    """Each entry of the decoder-layer list must run once per forward: the stages are per entry,
+    and the hooks cannot tell two calls of one module object apart."""
+    for i, n in sorted(runs.items()):
+        if n > 1:
+            paths = _paths(model, layers[i])
+            also = [p for p in paths if p != f"{container}.{i}"]
+            where = (f"it is one module registered as {' and '.join(map(repr, paths))}" if also
+                     else "the forward calls it more than once")
+            raise CaptureError(
+                f"capture: decoder layer {container}.{i} ran {n} times in one forward ({where}); fxoverlap "
+                f"gives each entry of {container!r} its own stages, so each must run once. Give each layer "
+                f"its own module (copy.deepcopy of a shared block), or call a block kept under a second "
+                f"name through the list only"
+            )
 
 
 def _reject_fsdp(model: nn.Module) -> None:
@@ -339,14 +457,18 @@ def capture(
     else:  # annotated by the caller (the torch.compile backend, from nn_module_stack)
         candidates, sizes = {}, dict(lists)
     param_children: dict[str, dict[int, set[str]]] = {}
+    runs: dict[str, dict[int, int]] = {}
     keywords = getattr(inputs, "keywords", ())  # a Microbatch's keyword inputs
     step = (_TrainStep(model, loss_fn, scalar_loss, keywords) if train
             else _Forward(model, single=scalar_loss, output_fn=loss_fn, keywords=keywords))
+    # AOTAutograd runs the step more than once (metadata, then the joint trace): count each run's calls
+    step.register_forward_pre_hook(lambda m, a: runs.clear())
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()
     try:
-        with (fx_traceback.preserve_node_meta(), _annotate_layers(candidates, param_children), _mark_checkpoints(),
+        with (_restore_state(model), fx_traceback.preserve_node_meta(),
+              _annotate_layers(candidates, param_children, runs, _shared_modules(model)), _mark_checkpoints(),
               contextlib.ExitStack() as stack, grad_mode):
             joint = aot_export_joint_with_descriptors(stack, step, fake_inputs)
     except CaptureError:
@@ -366,6 +488,8 @@ def capture(
     gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, flat tuple out
     # the decoder layers: where the all-to-alls ran decides among the candidate lists
     choice = choose_container(gm, sizes)
+    if choice.container in candidates:
+        _check_layers_run_once(model, choice.container, candidates[choice.container], runs.get(choice.container, {}))
     resolve(gm, choice.container)
     num_layers = 0 if choice.container is None else sizes[choice.container]
     _distinct_sink_values(gm)

@@ -323,6 +323,29 @@ def test_backend_refuses_unknown_options_naming_close_matches():
         fxb.backend_config(mode="fastest")
 
 
+def test_unknown_config_field_names_the_closest_field():
+    """``OverlapConfig(chunk=2)``: a ConfigError that is also the TypeError Python raises for an
+    unknown keyword, with the closest field; the backend's options use the same check."""
+    import dataclasses
+
+    import fxoverlap.backend as fxb
+    from fxoverlap.config import UnknownConfigField
+
+    with pytest.raises(UnknownConfigField, match=r"unknown field 'chunk' \(did you mean 'chunks'") as e:
+        fxoverlap.OverlapConfig(chunk=2)
+    assert isinstance(e.value, TypeError) and isinstance(e.value, fxoverlap.ConfigError)
+    assert "chunks_in_merged_steps" in str(e.value)  # the fields are listed
+    with pytest.raises(TypeError, match=r"'delay_wgard' \(did you mean 'delay_wgrad'"):
+        dataclasses.replace(fxoverlap.OverlapConfig(), delay_wgard=True)
+    with pytest.raises(UnknownConfigField, match=r"'zzz'(?! \(did you mean)"):
+        fxoverlap.OverlapConfig(zzz=1)
+    with pytest.raises(UnknownConfigField, match=r"unknown option 'chunk' \(did you mean 'chunks'"):
+        fxb.backend_config({"chunk": 2})
+    # known fields, by keyword and by position, are as before
+    assert fxoverlap.OverlapConfig("eager", None, "layers").layer_container == "layers"
+    assert fxoverlap.OverlapConfig(chunks=2) == fxoverlap.OverlapConfig(chunks=2)
+
+
 def test_backend_unknown_option_is_an_error_on_cpu_too():
     model = Stack()
     compiled = torch.compile(model, backend="fxoverlap", options={"chunk": 2})
