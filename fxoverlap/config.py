@@ -82,6 +82,20 @@ def _deepep_error(dispatcher: str, why: str) -> DispatcherUnavailable:
     )
 
 
+# The front ends that take an OverlapConfig (a field's metadata says which refuse it).
+OPTIMIZE, BACKEND, PIPELINE = "optimize", "backend", "pipeline"
+# What a field changes: "capture" (the trace), "stages" (the split and the stage compiles),
+# "program" (the schedule, once per microbatch count), "runtime" (how a run runs), "front end".
+PHASES = ("capture", "stages", "program", "runtime", "front end")
+
+
+def _field(default: Any, phase: str, *, refused_by: Mapping[str, str] | None = None, **kwargs: Any) -> Any:
+    """A config field with its metadata: the phase it affects and the front ends that cannot honour
+    a value other than its default, each with the reason (:func:`refused_fields` reads them)."""
+    return dataclasses.field(default=default, metadata={"phase": phase, "refused_by": dict(refused_by or {})},
+                             **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class OverlapConfig:
     """Settings for :func:`fxoverlap.optimize` and the ``"fxoverlap"`` torch.compile backend.
@@ -210,28 +224,43 @@ class OverlapConfig:
             the program; naming one, or an unknown name, raises ValueError listing the valid ones.
     """
 
-    compiler: Literal["inductor", "eager"] | None = None
-    compile_options: Mapping[str, Any] | None = dataclasses.field(default=None, hash=False)
-    layer_container: str | None = None
-    side_stages: bool = True
-    comm_stream_priority: int = -1
-    sm_carveout: int | None = None
-    delay_wgrad: bool | None = None
-    free_early: bool = True
-    cuda_graphs: bool | None = None
-    mhc_recompute_group: int | None = None
-    ac_replay_comm: bool = False
-    record_memory: bool = False
-    progress: bool = True
-    dispatcher: Literal["auto", "all_to_all", "padded", "symm_mem", "deepep", "hybridep"] = "auto"
-    dispatch_capacity_factor: float | None = None
-    grad_reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce"
-    reduce_bucket_mb: float = 25.0
-    chunks: int | None = None
-    chunks_in_merged_steps: bool = False
-    disable_passes: tuple[str, ...] = ()
-    expert_wgrad_slot: int = 2
-    max_programs: int = 8
+    compiler: Literal["inductor", "eager"] | None = _field(None, "stages")
+    compile_options: Mapping[str, Any] | None = _field(None, "stages", hash=False)
+    layer_container: str | None = _field(None, "capture")
+    side_stages: bool = _field(True, "stages")
+    comm_stream_priority: int = _field(-1, "runtime")
+    sm_carveout: int | None = _field(None, "runtime")
+    delay_wgrad: bool | None = _field(None, "stages")
+    free_early: bool = _field(True, "program")
+    cuda_graphs: bool | None = _field(None, "stages")
+    mhc_recompute_group: int | None = _field(None, "stages")
+    ac_replay_comm: bool = _field(False, "stages")
+    record_memory: bool = _field(False, "runtime", refused_by={
+        BACKEND: "the memory trace is engine.memory_trace, which only fxoverlap.optimize keeps",
+        PIPELINE: "the memory trace is engine.memory_trace, which only fxoverlap.optimize keeps"})
+    progress: bool = _field(True, "stages")
+    dispatcher: Literal["auto", "all_to_all", "padded", "symm_mem", "deepep", "hybridep"] = _field("auto", "capture")
+    dispatch_capacity_factor: float | None = _field(None, "stages", refused_by=dict.fromkeys(
+        (BACKEND, PIPELINE), "it needs a check of the overflow flags after each step, which fxoverlap.optimize "
+                             "makes and the other front ends do not"))
+    grad_reduce: Literal["all_reduce", "reduce_scatter"] = _field("all_reduce", "program", refused_by={
+        BACKEND: "the backend reduces no gradients over data parallelism (optimize(..., dp_group=...) does)",
+        PIPELINE: "without dp_group there are no gradients to reduce (pipeline_schedule(..., dp_group=...) "
+                  "reduces them)"})
+    reduce_bucket_mb: float = _field(25.0, "program", refused_by={
+        BACKEND: "the backend reduces no gradients over data parallelism (optimize(..., dp_group=...) does)",
+        PIPELINE: "without dp_group there are no gradients to reduce (pipeline_schedule(..., dp_group=...) "
+                  "reduces them)"})
+    chunks: int | None = _field(None, "stages")
+    chunks_in_merged_steps: bool = _field(False, "program", refused_by=dict.fromkeys(
+        (BACKEND, PIPELINE), "its programs run one microbatch at a time, so they have no merged steps (their "
+                             "layers run the chunks anyway)"))
+    disable_passes: tuple[str, ...] = _field((), "stages")
+    expert_wgrad_slot: int = _field(2, "program", refused_by=dict.fromkeys(
+        (BACKEND, PIPELINE), "its programs run one microbatch at a time, so they have no merged steps"))
+    max_programs: int = _field(8, "front end", refused_by={
+        BACKEND: "Dynamo caches the backend's compiled graphs (torch._dynamo.config.recompile_limit bounds them)",
+        PIPELINE: "each pipeline stage keeps the programs of its own schedule"})
 
     def __post_init__(self) -> None:
         if self.chunks is not None and (isinstance(self.chunks, bool) or not isinstance(self.chunks, int)
@@ -314,3 +343,19 @@ def _check_field_names(init):
 
 
 OverlapConfig.__init__ = _check_field_names(OverlapConfig.__init__)
+
+
+def refused_fields(config: OverlapConfig, front_end: str, honoured: Iterable[str] = ()) -> dict[str, str]:
+    """The fields of ``config`` set to something ``front_end`` cannot honour (a value other than
+    the default, where the field's metadata refuses that front end), each with the reason;
+    ``honoured``: fields this call does honour after all (``pipeline_schedule`` with ``dp_group``
+    reduces gradients)."""
+    honoured = set(honoured)
+    return {f.name: f.metadata["refused_by"][front_end] for f in dataclasses.fields(config)
+            if front_end in f.metadata.get("refused_by", {}) and f.name not in honoured
+            and getattr(config, f.name) != f.default}
+
+
+def field_phase(name: str) -> str:
+    """The phase an ``OverlapConfig`` field affects (one of :data:`PHASES`)."""
+    return {f.name: f.metadata["phase"] for f in dataclasses.fields(OverlapConfig)}[name]
