@@ -60,6 +60,12 @@ backward): a value here has producers of several kinds (eager, Inductor, graph
 replays, and the step's own inputs), one stage graph is shared by every layer, and
 the traced layout is the one thing they all know at plan time.
 
+The same retrace can change the layout of a value *inside* a stage, where the joint graph
+recorded a ``view`` for the traced layout (``q @ k.transpose(-2, -1)`` on such a ``k``: "Cannot
+view a tensor with shape ..."). Inductor therefore gets the stage graph with every shape
+``view`` as a ``reshape`` (:func:`reshaping_views`): the same view where the layout allows
+it, a copy only where it does not; the eager stage keeps its views.
+
 Debug check: ``FXOVERLAP_CHECK_LAYOUTS=1`` (or ``ProgramRunner(check_layouts=True)``)
 makes the runtime compare each input of a compiled stage with the layout the stage
 was compiled for before calling it, and raise :class:`fxoverlap.runtime.LayoutMismatch`
@@ -68,8 +74,8 @@ naming the value, its producer and the consumer (``fxoverlap.runtime.check_layou
 Steps
 -----
 1. Key every compute stage by its canonical structure.
-2. Compile one stage per key (progress line per compile), with its outputs' traced
-   strides pinned; share the result.
+2. Compile one stage per key (progress line per compile), its views as reshapes and its
+   outputs' traced strides pinned; share the result.
 
 Entry point: ``inductor(stages, capture, options=None, progress=None) -> InductorReport``.
 """
@@ -201,6 +207,29 @@ def _size_key(sizes) -> tuple | None:
     return tuple(_size_key(s) if isinstance(s, (tuple, list)) else str(s) for s in sizes)
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def reshaping_views(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with each shape ``view`` as a ``reshape`` (a new module; ``gm`` itself when it has none).
+
+    Inductor retraces the stage graph through its own decompositions, which may give an
+    intermediate value another layout than the joint graph traced (``cat`` with an empty input
+    becomes a ``clone`` of the other), and a ``view`` the joint graph recorded for the traced
+    layout cannot view the new one ("Cannot view a tensor with shape ..."). A ``reshape`` is
+    that view where the layout allows it (the usual case: no copy) and a copy where it does not.
+    The graph is functional, so nothing depends on the view aliasing its input."""
+    if not any(n.op == "call_function" and n.target in _VIEWS for n in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in _VIEWS:
+            n.target = torch.ops.aten.reshape.default
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
 def _compile(stage: Stage, capture: Capture, options: dict) -> Callable:
     from torch._inductor import standalone_compile
 
@@ -220,7 +249,7 @@ def _compile(stage: Stage, capture: Capture, options: dict) -> Callable:
         torch._guards.tracing(torch._guards.TracingContext(capture.fake_mode)),
         torch._inductor.config.patch(options),
     ):
-        art = standalone_compile(gm, example, dynamic_shapes="from_tracing_context")
+        art = standalone_compile(reshaping_views(gm), example, dynamic_shapes="from_tracing_context")
     return art
 
 
