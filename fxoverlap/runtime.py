@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -34,6 +35,85 @@ from fxoverlap.ir.stage import Direction, Part, Stage, StageKind, StreamKind
 StageHook = Callable[[torch.fx.Node, Stage, Callable[[], Sequence]], Sequence]
 # Where gradients go: sink(value name, gradient, is_graph_memory).
 GradSink = Callable[[str, torch.Tensor, bool], None]
+
+
+class LayoutMismatch(FxOverlapError, RuntimeError):
+    """A value reached an Inductor-compiled stage in another layout than the one the stage was
+    compiled for (the boundary layout contract of ``passes/inductor.py``); names the value,
+    its producer and the consumer. Raised by the debug check (``FXOVERLAP_CHECK_LAYOUTS=1``)."""
+
+
+# FXOVERLAP_CHECK_LAYOUTS=1: check every input of an Inductor-compiled stage against the layout
+# it was compiled for, before the call (passes/inductor.py, "Layout contract at stage boundaries").
+CHECK_LAYOUTS_ENV = "FXOVERLAP_CHECK_LAYOUTS"
+
+
+def check_layouts_requested() -> bool:
+    """Whether ``FXOVERLAP_CHECK_LAYOUTS`` asks for the layout debug check (any value but ``""``/``0``)."""
+    return os.environ.get(CHECK_LAYOUTS_ENV, "") not in ("", "0")
+
+
+class LayoutCheck:
+    """The debug check of the boundary layout contract: before an Inductor-compiled stage runs,
+    each tensor input must have the sizes and strides of the placeholder value the stage was
+    compiled for, symbols bound from the call's own input sizes (a stride of a dimension of
+    size 1 or less is not compared, as Inductor's own input assert does not)."""
+
+    def __init__(self, stages: Sequence[Stage], capture: Capture):
+        self.producer: dict[str, str] = {}
+        for ph, fqn in capture.param_placeholders.items():
+            self.producer[ph] = f"parameter {fqn}"
+        for ph, fqn in capture.buffer_placeholders.items():
+            self.producer[ph] = f"buffer {fqn}"
+        for ph in capture.input_placeholders:
+            self.producer[ph] = "the step's input"
+        for ph in capture.tangents:
+            self.producer[ph] = "the loss's tangent"
+        for st in stages:
+            for o in st.outputs:
+                self.producer[o] = f"stage {st.name} ({st.runs_as})"
+        self.vals: dict[str, list] = {
+            st.name: [n.meta.get("val") for n in st.graph_module.graph.find_nodes(op="placeholder")]
+            for st in stages}
+
+    def check(self, stage: Stage, args: Sequence, mb: int) -> None:
+        if stage.compiled is None:  # eager stages take any layout; a graph replay copies its inputs
+            return
+        vals = self.vals[stage.name]
+        bind: dict = {}
+        for v, a in zip(vals, args):
+            if isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor) and v.dim() == a.dim():
+                for d, n in zip(v.shape, a.shape):
+                    if isinstance(d, torch.SymInt) and getattr(d.node.expr, "is_Symbol", False):
+                        bind[d.node.expr] = n
+            elif isinstance(v, torch.SymInt) and isinstance(a, int) and getattr(v.node.expr, "is_Symbol", False):
+                bind[v.node.expr] = a
+        for name, v, a in zip(stage.inputs, vals, args):
+            if not (isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor)):
+                continue
+            want_size = [_value(d, bind) for d in v.shape]
+            want_stride = [_value(d, bind) for d in v.stride()]
+            bad = a.dim() != v.dim() or any(w is not None and w != g for w, g in zip(want_size, a.shape))
+            bad = bad or any(w is not None and n > 1 and w != g for w, g, n in zip(want_stride, a.stride(), a.shape))
+            if bad:
+                raise LayoutMismatch(
+                    f"layout check: value {name} from {self.producer.get(name, 'an unknown producer')} reaches "
+                    f"stage {stage.name} (layer {stage.layer}, {stage.kind}, {stage.direction}; Inductor) on "
+                    f"microbatch {mb} with sizes {tuple(a.shape)} strides {a.stride()}, but the stage was compiled "
+                    f"for sizes {tuple(v.shape)} strides {tuple(v.stride())} (the traced layout). The producer broke "
+                    f"the boundary layout contract (passes/inductor.py): an Inductor stage should keep its traced "
+                    f"output strides, an eager stage's op its meta strides; run with OverlapConfig(compiler='eager') "
+                    f"to avoid it, and report it")
+
+
+def _value(d, bind: dict) -> int | None:
+    """A traced size or stride at run time: an int, a symbol expression evaluated with ``bind``,
+    or None where a symbol in it is not bound by the inputs."""
+    if isinstance(d, int):
+        return d
+    expr = d.node.expr
+    expr = expr.xreplace(bind) if hasattr(expr, "xreplace") else expr
+    return int(expr) if isinstance(expr, int) or getattr(expr, "is_number", False) else None
 
 
 class StageFailed(FxOverlapError, RuntimeError):
@@ -144,7 +224,9 @@ class ProgramRunner:
     :class:`fxoverlap.cudagraphs.StageGraphs`) runs the stages the ``cudagraph``
     pass chose; ``record_memory`` keeps a trace of the live bytes of the stores;
     ``reducer`` (a :class:`fxoverlap.grad_reduce.BucketReducer`) runs the gradient
-    reductions that ``passes/reduce.py`` placed; ``sm_carveout`` SMs are left free by the
+    reductions that ``passes/reduce.py`` placed; ``check_layouts`` (default: the
+    ``FXOVERLAP_CHECK_LAYOUTS`` environment variable) checks each input of an Inductor stage
+    against the layout it was compiled for (:class:`LayoutCheck`); ``sm_carveout`` SMs are left free by the
     experts stages' grouped GEMMs (``OverlapConfig.sm_carveout``) in a run whose exchanges run
     comm kernels (``comm_kernels_run()``, asked at each run).
     """
@@ -164,6 +246,7 @@ class ProgramRunner:
         record_memory: bool = False,
         hook: StageHook | None = None,
         reducer=None,
+        check_layouts: bool | None = None,  # None: FXOVERLAP_CHECK_LAYOUTS decides
     ):
         self.program, self.capture, self.device = program, capture, device
         self.stages = {s.name: s for s in stages}
@@ -172,6 +255,9 @@ class ProgramRunner:
         self.record_memory = record_memory
         self.hook = hook
         self.reducer = reducer
+        if check_layouts is None:
+            check_layouts = check_layouts_requested()
+        self.layouts = LayoutCheck(stages, capture) if check_layouts else None
         self.sm_carveout = sm_carveout  # torch's setting only reaches CUDA kernels; harmless elsewhere
         self.comm_kernels_run = comm_kernels_run  # asked at each run: does its exchange run comm kernels?
         self._carveout: int | None = None  # this run's (execute)
@@ -391,6 +477,8 @@ class ProgramRunner:
             # kernels their SMs; the others use every SM (docs/design.md, "SM carveout")
             carve = self._carveout if stage.kind is StageKind.EXPERTS else None
             try:
+                if self.layouts is not None:
+                    self.layouts.check(stage, args, mb)
                 # a hook (the benchmark's) wraps the call the step makes, graphs included
                 with sm_carveout(carve):
                     outs = run() if self.hook is None else self.hook(node, stage, run)
@@ -399,6 +487,8 @@ class ProgramRunner:
             except Exception as e:
                 if self._on_error is not None:
                     self._on_error(e)
+                if isinstance(e, LayoutMismatch):  # names the stage already
+                    raise
                 raise StageFailed.of(stage, mb, e) from e
         store.update(zip(stage.outputs, outs))
         if graphed[0]:

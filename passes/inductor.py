@@ -28,10 +28,54 @@ constants and edges, and its inputs' dtypes, shapes and strides, with symbols
 numbered by first appearance. Inductor's on-disk caches (FX graph and AOTAutograd
 caches) then make a second process fast.
 
+Layout contract at stage boundaries
+-----------------------------------
+Every value that crosses a stage boundary has, at run time, the layout (sizes and
+strides) of its ``meta["val"]`` in the joint graph, whatever stage produced it; and
+every stage is compiled against exactly those layouts (its placeholders' vals). This
+holds by construction for each kind of producer:
+
+* an eager stage runs the joint graph's aten ops, whose fake (meta) kernels gave the
+  traced strides;
+* an Inductor stage is made to return its outputs in their traced strides (below);
+* a CUDA-graph replay returns the static outputs of the callable it captured (one of
+  the two above), a chunk or a recompute region is a stage like any other, and
+  the step's inputs are bound from the microbatches the capture traced.
+
+Inductor does not keep the traced strides by itself: it keeps the strides its
+outputs have *after* its own decompositions, which can differ. Found on Qwen3-MoE,
+Mixtral and OLMoE (transformers' KV cache update ``cat([empty, k], -2)``): the joint
+graph's ``cat`` is contiguous, Inductor's ``cat`` decomposition drops the empty input
+and returns ``k.clone()`` in ``k``'s transposed layout, and the backward attn stage,
+compiled for the contiguous layout, failed its input stride assert. So each stage is
+compiled with a post-grad graph pass (:class:`KeepTracedStrides`) that sets the
+output strides Inductor must honour (``original_output_strides``, the record Inductor
+keeps the user-visible output strides of a ``torch.compile``'d graph in) to the traced
+ones. Inductor then writes each output in that layout in the kernel that produces it:
+no copy where the layouts already agree, and where they differ usually none either
+(the producing kernel stores in the required order); a copy only where an output is
+a view Inductor cannot restride. Why not the other way round (compile each consumer
+against what its producers deliver, as AOTAutograd does from its forward to its
+backward): a value here has producers of several kinds (eager, Inductor, graph
+replays, and the step's own inputs), one stage graph is shared by every layer, and
+the traced layout is the one thing they all know at plan time.
+
+The same retrace can change the layout of a value *inside* a stage, where the joint graph
+recorded a ``view`` for the traced layout (``q @ k.transpose(-2, -1)`` on such a ``k``: "Cannot
+view a tensor with shape ..."). Inductor therefore gets the stage graph with every shape
+``view`` as a ``reshape`` (:func:`reshaping_views`): the same view where the layout allows
+it, a copy only where it does not; the eager stage keeps its views.
+
+Debug check: ``FXOVERLAP_CHECK_LAYOUTS=1`` (or ``ProgramRunner(check_layouts=True)``)
+makes the runtime compare each input of a compiled stage with the layout the stage
+was compiled for before calling it, and raise :class:`fxoverlap.runtime.LayoutMismatch`
+naming the value, its producer and the consumer (``fxoverlap.runtime.check_layouts``).
+
 Steps
 -----
 1. Key every compute stage by its canonical structure.
-2. Compile one stage per key (progress line per compile), share the result.
+2. Compile one stage per key (progress line per compile), its views as reshapes and its
+   outputs' traced strides pinned; share the result.
 
 Entry point: ``inductor(stages, capture, options=None, progress=None) -> InductorReport``.
 """
@@ -39,12 +83,14 @@ Entry point: ``inductor(stages, capture, options=None, progress=None) -> Inducto
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.capture import Capture
@@ -97,11 +143,104 @@ def _key(stage: Stage) -> tuple:
     return tuple(parts)
 
 
+def traced_output_strides(gm: torch.fx.GraphModule) -> list[tuple | None]:
+    """Per output of a stage graph: the strides of its traced value (None: not a tensor)."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in out.args[0]]
+    return [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+class KeepTracedStrides(CustomGraphPass):
+    """Inductor post-grad pass: the stage's outputs keep the strides of the traced graph.
+
+    Inductor lays out each user-visible output as ``output.meta["original_output_strides"]``
+    says; it records those after its decompositions, which may change an output's layout
+    (``cat`` with an empty input becomes a ``clone`` of the other). This pass, run after
+    that record and before lowering, puts back the joint graph's strides, so the stage's
+    consumers (compiled for those) get them. Outputs are matched by position (after any
+    mutated-input outputs AOTAutograd puts first); one whose shape differs from the traced
+    one is left as Inductor chose (the debug check would name it). ``then``: a post-grad
+    pass the caller's options set, run first.
+    """
+
+    def __init__(self, strides: list[tuple | None], shapes: list[tuple | None], then=None):
+        self.strides, self.shapes, self.then = strides, shapes, then
+        self.applied = 0  # outputs pinned by the last run (for tests)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.then is not None:
+            self.then(graph)
+        out = next(iter(graph.find_nodes(op="output")))
+        args = list(out.args[0]) if not isinstance(out.args[0], torch.fx.Node) else [out.args[0]]
+        ctx = torch._guards.TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None)
+        start = getattr(meta, "num_mutated_inp_runtime_indices", 0) or 0
+        recorded = list(out.meta.get("original_output_strides") or [None] * len(args))
+        recorded += [None] * (len(args) - len(recorded))
+        visible = set(out.meta.get("user_visible_output_idxs") or ())
+        applied = 0
+        for i, (want, shape) in enumerate(zip(self.strides, self.shapes)):
+            j = start + i
+            if want is None or j >= len(args) or not isinstance(args[j], torch.fx.Node):
+                continue
+            val = args[j].meta.get("val")
+            if not isinstance(val, torch.Tensor) or _size_key(val.shape) != shape:
+                continue
+            recorded[j] = want
+            visible.add(j)
+            applied += 1
+        out.meta["original_output_strides"] = recorded
+        out.meta["user_visible_output_idxs"] = sorted(visible)
+        self.applied = applied
+
+    def uuid(self) -> str:
+        # Inductor's FX graph cache keys on this: the pinned strides are part of the compile
+        then = self.then.uuid() if self.then is not None and hasattr(self.then, "uuid") else None
+        text = repr((_size_key(self.strides), then))
+        return "fxoverlap-keep-traced-strides-" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _size_key(sizes) -> tuple | None:
+    """Sizes or strides as comparable text (symbols by name)."""
+    if sizes is None:
+        return None
+    return tuple(_size_key(s) if isinstance(s, (tuple, list)) else str(s) for s in sizes)
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def reshaping_views(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with each shape ``view`` as a ``reshape`` (a new module; ``gm`` itself when it has none).
+
+    Inductor retraces the stage graph through its own decompositions, which may give an
+    intermediate value another layout than the joint graph traced (``cat`` with an empty input
+    becomes a ``clone`` of the other), and a ``view`` the joint graph recorded for the traced
+    layout cannot view the new one ("Cannot view a tensor with shape ..."). A ``reshape`` is
+    that view where the layout allows it (the usual case: no copy) and a copy where it does not.
+    The graph is functional, so nothing depends on the view aliasing its input."""
+    if not any(n.op == "call_function" and n.target in _VIEWS for n in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in _VIEWS:
+            n.target = torch.ops.aten.reshape.default
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
 def _compile(stage: Stage, capture: Capture, options: dict) -> Callable:
     from torch._inductor import standalone_compile
 
     gm = stage.graph_module
     example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    shapes = [_size_key(a.meta["val"].shape) if isinstance(a, torch.fx.Node)
+              and isinstance(a.meta.get("val"), torch.Tensor) else None for a in out.args[0]]
+    options = dict(options)
+    options["post_grad_custom_post_pass"] = KeepTracedStrides(
+        traced_output_strides(gm), shapes, options.get("post_grad_custom_post_pass"))
     # Symbols the capture created are bound in its graph already; left "pending", the
     # retrace inside compile_fx would try to bind them to this stage's inputs.
     capture.fake_mode.shape_env.pending_fresh_unbacked_symbols.clear()
@@ -110,7 +249,7 @@ def _compile(stage: Stage, capture: Capture, options: dict) -> Callable:
         torch._guards.tracing(torch._guards.TracingContext(capture.fake_mode)),
         torch._inductor.config.patch(options),
     ):
-        art = standalone_compile(gm, example, dynamic_shapes="from_tracing_context")
+        art = standalone_compile(reshaping_views(gm), example, dynamic_shapes="from_tracing_context")
     return art
 
 

@@ -4,8 +4,32 @@
 
 Per family and dtype: the unsharded model (transformers' default experts path) vs
 expert_parallel in eager and through fxoverlap.optimize; prints one JSON line each.
+
+    python scripts/hf_gpu_check.py --real [--out DIR] [--models qwen3_moe,...] [--modes ...]
+
+At released layer shapes (``REAL``: Qwen3-30B-A3B, Moonlight (DeepSeek-V3 MLA), Mixtral-8x7B,
+GPT-OSS-20B, OLMoE-1B-7B layers; 4 layers, vocabulary cut to 32768, 4 microbatches of 1 x 2048
+tokens, bf16), one rank of emulated EP (``ep``: its local experts are the model's experts, every
+dispatch/combine holds the stream for the bytes an EP-N rank would move over a 100 GB/s link,
+``fxoverlap/kernels/emulated_link.py``). One process per (model, mode) (``--one``), so each
+mode's peak memory is its own; each process first runs the eager step of the same
+``expert_parallel`` model on the same weights and data (its losses and gradients kept on the
+host), then the mode:
+
+- ``compile``: ``torch.compile(model)`` (Inductor), the baseline step time;
+- ``optimize``: ``fxoverlap.optimize`` (the CUDA default: Inductor stages);
+- ``backend``: ``torch.compile(model, backend="fxoverlap")``, one microbatch per call;
+- ``forward_only``: ``engine.forward_only`` (no gradients) against eager's forward losses.
+
+Per (model, mode) one JSON line: loss and gradient difference from eager, step time
+(median of the timed steps, link on) and its ratio to ``compile``'s, the first step's time
+(compiles), peak memory. bf16 tolerance (``ok``): each loss within 1e-2 relative; per
+parameter max|Δgrad| <= 8 · 2^-8 = 3.1e-2 · max|eager grad| (a few bf16 roundings of
+reordered sums; a wrong slice or a lost routing weight is O(1)). Each process's log and
+the JSON lines (``hf_gpu_real.jsonl``) go to ``--out`` (default ``$OUT``). Budget: about 8
+minutes on one H200 with a warm Inductor cache dir shared by the processes.
 """
-import copy, json, os, sys, time, traceback
+import argparse, copy, json, os, statistics, subprocess, sys, time, traceback
 
 import torch
 import torch.distributed as dist
@@ -86,5 +110,214 @@ def main():
     dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------- released layer shapes
+
+VOCAB_REAL, SEQ, N_MB, LAYERS, GBPS = 32768, 2048, 4, 4, 100.0
+BF16_LOSS_TOL, BF16_GRAD_TOL = 1e-2, 8 * 2.0**-8
+# model -> (hf_cases family, emulated EP size, global experts, config fields: the released layer,
+# with the local experts E/EP as the model's experts)
+REAL = {
+    "qwen3_moe": ("qwen3_moe", 8, 128, dict(  # Qwen3-30B-A3B
+        hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        moe_intermediate_size=768, num_experts=16, num_experts_per_tok=8, norm_topk_prob=True)),
+    "deepseek_v3": ("deepseek_v3", 8, 64, dict(  # Moonlight-16B-A3B (DeepSeek-V3 architecture, MLA)
+        hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=8, num_experts_per_tok=6, n_shared_experts=2,
+        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, routed_scaling_factor=2.446,
+        norm_topk_prob=True)),
+    "mixtral": ("mixtral", 4, 8, dict(  # Mixtral-8x7B (EP 4: 2 local experts for its top-2)
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        num_local_experts=2, num_experts_per_tok=2)),
+    "gpt_oss": ("gpt_oss", 8, 32, dict(  # GPT-OSS-20B (eager attention: sinks; sliding 128 / full)
+        hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_local_experts=4, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2))),
+    "olmoe": ("olmoe", 8, 64, dict(  # OLMoE-1B-7B
+        hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16, head_dim=128,
+        num_experts=8, num_experts_per_tok=8)),
+}
+MODES_REAL = ("compile", "optimize", "backend", "forward_only")
+
+
+def _real_model(name: str):
+    family, _, _, fields = REAL[name]
+    with torch.device("cuda"):  # initialised on the GPU: seconds, not a minute of CPU init per process
+        return hf_cases.build(family, torch.bfloat16, vocab_size=VOCAB_REAL, num_hidden_layers=LAYERS,
+                              max_position_embeddings=max(4096, SEQ), **fields)
+
+
+def _timed(fn, iters: int) -> tuple[float, list[float], object]:
+    """(first call's seconds, the next ``iters`` calls' seconds, the last call's result)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    last = fn()
+    torch.cuda.synchronize()
+    t_first = time.perf_counter() - t0
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        last = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return t_first, times, last
+
+
+def run_real_one(name: str, mode: str, iters: int) -> dict:
+    """One (model, mode) in this process: eager reference, then the mode; see the module docstring."""
+    from fxoverlap.kernels import emulated_link
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29556")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    group = dist.group.WORLD
+    _, ep, experts, _ = REAL[name]
+    link = emulated_link.Link(GBPS, ep=ep, experts=experts, name=f"{GBPS:g}GB/s")
+    emulated_link.set_link(link)
+    row = dict(model=name, mode=mode, layers=LAYERS, tokens=f"{N_MB} x 1 x {SEQ}", dtype="bfloat16",
+               link=f"emulated EP {ep}, {GBPS:g} GB/s", torch=torch.__version__)
+    g = torch.Generator().manual_seed(0)
+    mbs = [torch.randint(0, VOCAB_REAL, (1, SEQ), generator=g).cuda() for _ in range(N_MB)]
+    model = fxoverlap.expert_parallel(_real_model(name), group)
+    row["params"] = sum(p.numel() for p in model.parameters())
+    row["local_experts"] = REAL[name][3].get("num_experts") or REAL[name][3].get("num_local_experts") \
+        or REAL[name][3].get("n_routed_experts")
+    # the eager reference on the same weights and data: losses, gradients (on the host)
+    if mode == "forward_only":
+        with torch.no_grad():
+            ref_losses = [hf_cases.next_token_loss(model(ids), ids).float() for ids in mbs]
+        ref = {}
+    else:
+        ref_losses = [l.float() for l in steps(model, mbs)]
+        ref = {n: p.grad.detach().to("cpu", non_blocking=True) for n, p in model.named_parameters()
+               if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+    t_eager = None
+    if mode == "compile":  # eager's step time too, for scale
+        t_eager = _timed(lambda: steps(model, mbs), 1)[1][0]
+        model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+
+    def fwd_bwd(m):
+        def step():
+            m.zero_grad(set_to_none=True)
+            return steps(m, mbs)
+        return step
+
+    engine = None
+    if mode == "compile":
+        torch._dynamo.config.cache_size_limit = 64
+        step = fwd_bwd(torch.compile(model))
+    elif mode == "backend":
+        import fxoverlap.backend as fxb
+
+        fxb.reset()
+        step = fwd_bwd(torch.compile(model, backend="fxoverlap"))
+    elif mode == "optimize":
+        engine = fxoverlap.optimize(model, group)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            return engine.forward_backward(mbs, loss_fn=hf_cases.next_token_loss)
+    else:
+        engine = fxoverlap.optimize(model, group)
+
+        def step():
+            with torch.no_grad():
+                outs = engine.forward_only(mbs, output_fn=lambda out, ids: hf_cases.next_token_loss(out, ids))
+            return outs
+    t_first, times, losses = _timed(step, iters)  # the last step's losses; its gradients (zeroed before each)
+    losses = list(losses)
+    row["first_step_s"] = round(t_first, 2)
+    row["step_ms"] = round(1e3 * statistics.median(times), 2)
+    row["step_ms_all"] = [round(1e3 * t, 2) for t in times]
+    if t_eager is not None:
+        row["eager_step_ms"] = round(1e3 * t_eager, 2)
+    row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    row["peak_above_model_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+    row["loss_rel"] = max(abs(a.float().item() - b.item()) / abs(b.item()) for a, b in zip(losses, ref_losses))
+    if ref:
+        rel = hf_cases.rel({n: p.grad for n, p in model.named_parameters()}, {n: r.cuda() for n, r in ref.items()})
+        worst = max(rel, key=rel.get)
+        row["grad_rel"], row["worst"] = rel[worst], worst
+    row["ok"] = row["loss_rel"] <= BF16_LOSS_TOL and row.get("grad_rel", 0.0) <= BF16_GRAD_TOL
+    if engine is not None:
+        row["runs_as"] = sorted({s.runs_as for s in engine.stages})
+    if mode == "backend":
+        import fxoverlap.backend as fxb
+
+        row["runs_as"] = sorted({s.runs_as for s in fxb.last_stages()})
+    emulated_link.set_link(None)
+    dist.destroy_process_group()
+    return row
+
+
+def main_real(args) -> None:
+    out_dir = args.out or os.environ.get("OUT") or "."
+    os.makedirs(out_dir, exist_ok=True)
+    models = args.models.split(",") if args.models else list(REAL)
+    modes = args.modes.split(",") if args.modes else list(MODES_REAL)
+    t_start = time.perf_counter()
+    compile_ms: dict[str, float] = {}
+    with open(os.path.join(out_dir, "hf_gpu_real.jsonl"), "a") as jl:
+        for name in models:
+            for mode in modes:
+                left = args.budget - (time.perf_counter() - t_start)
+                if left < 20:
+                    row = dict(model=name, mode=mode, skipped=f"total budget of {args.budget} s spent")
+                else:
+                    log = os.path.join(out_dir, f"{name}_{mode}.log")
+                    cmd = [sys.executable, os.path.abspath(__file__), "--one", name, mode, "--iters", str(args.iters)]
+                    try:
+                        with open(log, "w") as f:
+                            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
+                                                  timeout=min(args.timeout, left))
+                        f_out = proc.stdout
+                        found = [ln for ln in f_out.splitlines() if ln.startswith("RESULT ")]
+                        row = json.loads(found[-1][7:]) if found else dict(
+                            model=name, mode=mode, error=f"exit {proc.returncode}; see {log}")
+                        with open(log, "a") as f:
+                            f.write(f_out)
+                    except subprocess.TimeoutExpired:
+                        row = dict(model=name, mode=mode, error=f"timed out; see {log}")
+                if mode == "compile" and "step_ms" in row:
+                    compile_ms[name] = row["step_ms"]
+                if mode in ("optimize", "backend") and "step_ms" in row and name in compile_ms:
+                    row["speedup_vs_compile"] = round(compile_ms[name] / row["step_ms"], 3)
+                row["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+                print(json.dumps(row), flush=True)
+                jl.write(json.dumps(row) + "\n")
+                jl.flush()
+
+
+def cli() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--real", action="store_true", help="released layer shapes (see the module docstring)")
+    ap.add_argument("--out", help="log and JSON-lines folder (default $OUT)")
+    ap.add_argument("--models", help=f"comma-separated, of {tuple(REAL)}")
+    ap.add_argument("--modes", help=f"comma-separated, of {MODES_REAL}")
+    ap.add_argument("--iters", type=int, default=3, help="timed steps after the first")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per (model, mode) process")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run; later rows are skipped")
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        try:
+            row = run_real_one(*args.one, args.iters)
+        except Exception as e:  # noqa: BLE001 -- reported as the row
+            row = dict(model=args.one[0], mode=args.one[1], error=f"{type(e).__name__}: {e}"[:600],
+                       trace=traceback.format_exc()[-1500:])
+        print("RESULT " + json.dumps(row), flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # no teardown hang of NCCL/compile workers after the result is out
+    if args.real:
+        main_real(args)
+    else:
+        main()
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -102,6 +102,25 @@ def test_optimize_sees_dispatch_and_combine_stages():
     assert {"fwd_l1_dispatch", "fwd_l1_combine", "bwd_l1_combine"} <= stages["deepseek_v3"]
 
 
+INDUCTOR_FAMILIES = FAMILIES + ["olmoe"]
+_INDUCTOR: list = []
+
+
+@pytest.mark.parametrize("family", INDUCTOR_FAMILIES)
+def test_fp32_inductor_stages_match_unsharded_model(family):
+    """``optimize`` with Inductor-compiled stages (the CUDA default) on 2 ranks, fp32, with the
+    layout debug check on: Qwen3-MoE, Mixtral and OLMoE crashed here before the boundary layout
+    contract (issue 35). Tolerance: |Δloss| <= 1e-5, per parameter <= 1e-5 · max|grad|.
+    One spawn for every family (about 1 minute per family on 2 CPU cores: Inductor compiles)."""
+    if not _INDUCTOR:
+        _INDUCTOR.extend(run_distributed(hf_cases.families_inductor_on_two_ranks, INDUCTOR_FAMILIES))
+    for rank, result in enumerate(_INDUCTOR):
+        r = result[family]
+        assert r["loss_abs"] <= 1e-5, (rank, r["loss_abs"])
+        assert _worst(r["rel"])[0] <= FP32_TOL, (rank, _worst(r["rel"]))
+        assert "inductor" in {r["runs_as"][s] for s in r["runs_as"] if s.endswith("_attn")}, r["runs_as"]
+
+
 def test_indivisible_expert_count_error():
     for result in _two_ranks():
         msg = result["indivisible"]

@@ -209,6 +209,31 @@ def families_on_two_ranks(rank: int, world: int, families: list[str], dtypes: li
     return out
 
 
+def families_inductor_on_two_ranks(rank: int, world: int, families: list[str]) -> dict:
+    """For each family, fp32: ``expert_parallel`` + ``fxoverlap.optimize`` with Inductor-compiled
+    stages vs the unsharded eager model; the loss difference is absolute (Inductor's kernels sum in
+    other orders). With the layout debug check on (``FXOVERLAP_CHECK_LAYOUTS``)."""
+    import os
+
+    from fxoverlap.runtime import CHECK_LAYOUTS_ENV
+
+    os.environ[CHECK_LAYOUTS_ENV] = "1"
+    group = dist.group.WORLD
+    out = {}
+    for family in families:
+        full = build(family)
+        ref_losses, own, total = reference(full, rank, world)
+        model = fxoverlap.expert_parallel(copy.deepcopy(full), group)
+        want = rank_view_of(model, own, total, rank)
+        engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(compiler="inductor", progress=False))
+        losses = engine.forward_backward(batches(rank), loss_fn=next_token_loss)
+        out[family] = dict(rel=rel(_grads(model), want),
+                           loss_abs=max(abs(a.item() - b.item()) for a, b in zip(losses, ref_losses)),
+                           runs_as={s.name: s.runs_as for s in engine.stages})
+        engine.close()
+    return out
+
+
 def _through_backend(model, rank: int, ref_losses, want: dict, full) -> dict:
     """``torch.compile(model, backend="fxoverlap")``, ``loss.backward()`` per microbatch."""
     import warnings
