@@ -133,7 +133,8 @@ def usable(group: dist.ProcessGroup | None, device: torch.device) -> tuple[bool,
     if device.type != "cuda":
         return False, f"the model is on {device.type}; symmetric memory needs CUDA"
     if one_rank(group):
-        return False, "there is no expert-parallel process group (one rank has nothing to exchange)"
+        return False, ("there is no expert-parallel process group (one rank has nothing to exchange)" if group is None
+                       else f"the expert-parallel group {group!r} is a one-rank stand-in (nothing to map)")
     if triton is None:
         return False, "Triton is not installed (the row-copy kernel is written in Triton)"
     try:
