@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import fxoverlap
 from fxoverlap.bench.cli import emulated_config, parse_args
@@ -163,7 +164,8 @@ def _step_counts(mode: str, dispatcher: str, routing: str) -> dict:
         elif mode == "compile":
             # torch.compile(model) through Dynamo and AOTAutograd (aot_eager: Inductor calls the comm
             # ops' bodies the same way, as opaque extern kernels, at many times the CPU compile time)
-            fn = torch.compile(model, backend="aot_eager")
+            frames = CompileCounterWithBackend("aot_eager")
+            fn = torch.compile(model, backend=frames)
         else:
             fn = torch.compile(model, backend="fxoverlap",
                                options={"dispatcher": dispatcher} if dispatcher != "auto" else None)
@@ -177,6 +179,8 @@ def _step_counts(mode: str, dispatcher: str, routing: str) -> dict:
         warnings.simplefilter("error", fxoverlap.backend.FallbackWarning)
         with group.using(el.preset("nvlink", ep=2, experts=8)), el.standin(counter):
             step()
+    if mode == "compile":
+        assert frames.frame_count == 1  # setting the group's link recompiled nothing
     torch._dynamo.reset()
     assert group.stats.calls == len(counter.calls)
     return counter.by_op()
