@@ -37,9 +37,9 @@ from fxoverlap.kernels.row_sum import sum_per_row
 def _all_to_all(out_rows: list[int], parts: list[torch.Tensor], in_rows: list[int], group, op: str | None = None,
                 tokens: tuple[int, int] | None = None) -> list[torch.Tensor]:
     """One all-to-all for several ``[rows, cols]`` tensors (any dtypes), packed as bytes: the
-    token-once transport. On one rank the parts are copied, and a stand-in group hears of the
-    exchange ``op`` of ``tokens = (T, top_k)`` tokens (``a2a.exchanged``; the counts exchanges
-    pass no ``op``: the links' latency is paid once per op, as the ops' own exchange)."""
+    token-once transport. On one rank the parts are copied, and then a stand-in group hears of
+    the exchange ``op`` of ``tokens = (T, top_k)`` tokens (``a2a.exchanged``). The counts
+    exchanges pass no ``op``: an op pays the link once, for its rows."""
     if one_rank(group):
         out = [p.clone() for p in parts]
         if op is not None:
