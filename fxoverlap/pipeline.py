@@ -46,11 +46,12 @@ def comm_kernels_run(capture: Capture) -> Callable[[], bool]:
     """Asked at each run: do the exchanges run comm kernels beside the compute? Yes over a group of
     more than one rank or a group not known (the dispatcher pass found none of fxoverlap's
     exchanges), and over a stand-in whose exchanges hold (an emulated link that is set now): the
-    group decides (``a2a.exchange_takes_sms``), read from the names the comm ops carry."""
-    if capture.ep_groups is None:
+    group decides (``a2a.exchange_takes_sms``), resolved from the names the comm ops carry when
+    asked, as the ops resolve them (a group the runner cannot find, the ops cannot either)."""
+    names = capture.ep_groups
+    if names is None:
         return lambda: True
-    groups = [a2a.resolve_group(name) for name in capture.ep_groups]
-    return lambda: any(a2a.exchange_takes_sms(g) for g in groups)
+    return lambda: any(a2a.exchange_takes_sms(a2a.resolve_group(name)) for name in names)
 
 
 def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,
