@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from fxoverlap.kernels import a2a, emulated_link, padded, static_ep
+from fxoverlap.kernels import a2a, padded, static_ep
 from fxoverlap.config import ConfigError
 from fxoverlap.ir.capture import Capture, OverflowFlags, OverflowSite
 from fxoverlap.ir.errors import FxOverlapError
@@ -53,10 +53,8 @@ def _dispatch_static(
     x: torch.Tensor, send_counts: torch.Tensor, group_name: str, recv_counts: torch.Tensor | None, capacity: int,
     transport: str, overflow: torch.Tensor | None, site: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = static_ep.dispatch(x, send_counts, a2a.resolve_group(group_name), recv_counts, capacity,
-                             _transport(transport), overflow, site)
-    emulated_link.hold_rows("dispatch", x.shape[0], x)  # as the generic op: the rows sent
-    return out
+    return static_ep.dispatch(x, send_counts, a2a.resolve_group(group_name), recv_counts, capacity,
+                              _transport(transport), overflow, site)
 
 
 @_dispatch_static.register_fake
@@ -70,10 +68,8 @@ def _combine_static(
     y: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor, group_name: str, out_rows: int,
     capacity: int, transport: str,
 ) -> torch.Tensor:
-    out = static_ep.combine(y, recv_counts, send_counts, a2a.resolve_group(group_name), out_rows, capacity,
-                            _transport(transport))
-    emulated_link.hold_rows("combine", out_rows, out)
-    return out
+    return static_ep.combine(y, recv_counts, send_counts, a2a.resolve_group(group_name), out_rows, capacity,
+                             _transport(transport))
 
 
 @_combine_static.register_fake
@@ -89,11 +85,8 @@ def _token_dispatch_static(
     x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_experts: int, group_name: str, capacity: int,
     transport: str, overflow: torch.Tensor | None, site: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = static_ep.token_dispatch(x, idx, w, n_experts, a2a.resolve_group(group_name), capacity,
-                                   _transport(transport), overflow, site)
-    emulated_link.hold_rows("token_dispatch", emulated_link.token_rows(idx.shape[0], idx.shape[1]), x,
-                            idx.shape[1] * (4 + w.element_size()))
-    return out
+    return static_ep.token_dispatch(x, idx, w, n_experts, a2a.resolve_group(group_name), capacity,
+                                    _transport(transport), overflow, site)
 
 
 @_token_dispatch_static.register_fake
@@ -110,11 +103,8 @@ def _token_dispatch_backward_static(
     grad_x: torch.Tensor, grad_w: torch.Tensor, idx: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor,
     recv_rows: torch.Tensor, n_experts: int, group_name: str, capacity: int, transport: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    gx, gw = static_ep.token_dispatch_backward(grad_x, grad_w, idx, pair_index, slot, recv_rows, n_experts,
-                                               a2a.resolve_group(group_name), capacity, _transport(transport))
-    emulated_link.hold_rows("token_dispatch_backward", emulated_link.token_rows(idx.shape[0], idx.shape[1]), gx,
-                            idx.shape[1] * grad_w.element_size())
-    return gx, gw
+    return static_ep.token_dispatch_backward(grad_x, grad_w, idx, pair_index, slot, recv_rows, n_experts,
+                                             a2a.resolve_group(group_name), capacity, _transport(transport))
 
 
 @_token_dispatch_backward_static.register_fake
@@ -127,10 +117,8 @@ def _token_combine_static(
     y: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, top_k: int,
     group_name: str, capacity: int, transport: str,
 ) -> torch.Tensor:
-    out = static_ep.token_combine(y, pair_index, slot, recv_rows, top_k, a2a.resolve_group(group_name), capacity,
-                                  _transport(transport))
-    emulated_link.hold_rows("token_combine", emulated_link.token_rows(slot.shape[0], top_k), out)
-    return out
+    return static_ep.token_combine(y, pair_index, slot, recv_rows, top_k, a2a.resolve_group(group_name), capacity,
+                                   _transport(transport))
 
 
 @_token_combine_static.register_fake
@@ -143,10 +131,8 @@ def _token_combine_backward_static(
     grad_out: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, top_k: int,
     group_name: str, capacity: int, transport: str,
 ) -> torch.Tensor:
-    out = static_ep.token_combine_backward(grad_out, pair_index, slot, recv_rows, top_k,
-                                           a2a.resolve_group(group_name), capacity, _transport(transport))
-    emulated_link.hold_rows("token_combine_backward", emulated_link.token_rows(slot.shape[0], top_k), grad_out)
-    return out
+    return static_ep.token_combine_backward(grad_out, pair_index, slot, recv_rows, top_k,
+                                            a2a.resolve_group(group_name), capacity, _transport(transport))
 
 
 @_token_combine_backward_static.register_fake
@@ -171,7 +157,7 @@ def check_overflow(flags: torch.Tensor, sites: Sequence[OverflowSite], group: di
     if flags.is_cuda:
         torch.cuda.synchronize(flags.device)  # the comm stream wrote the flags
     needed = flags.clone()
-    if group is not None:
+    if not a2a.one_rank(group):  # (a stand-in group runs no collective: one rank)
         dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group)
     over = [(s, n) for s, n in zip(sites, needed.tolist()) if n > s.capacity]
     if over:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from fxoverlap.kernels import a2a, dedup, emulated_link, grouped_gemm
+from fxoverlap.kernels import a2a, dedup, grouped_gemm
 from fxoverlap.ir.errors import FxOverlapError
 
 
@@ -39,7 +39,6 @@ def _dispatch(
             f"fxoverlap::dispatch received {y.shape[0]} rows but the caller promised "
             f"{out_rows} (capacity routing must send the same number of rows to every expert)"
         )
-    emulated_link.hold_rows("dispatch", x.shape[0], x)  # after the local copy, on this op's stream
     return y, recv
 
 
@@ -74,9 +73,7 @@ def _combine(
     group_name: str,
     out_rows: int,
 ) -> torch.Tensor:
-    out = a2a.combine_tokens(y, recv_counts, send_counts, a2a.resolve_group(group_name))
-    emulated_link.hold_rows("combine", out.shape[0], out)
-    return out
+    return a2a.combine_tokens(y, recv_counts, send_counts, a2a.resolve_group(group_name))
 
 
 @_combine.register_fake
@@ -147,9 +144,8 @@ def _dispatch_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dispatch`` of chunk ``chunk`` of ``chunks``: ``x`` has every row; only the chunk's travel.
     ``first``: the first chunk's receive counts (its host counts are reused; None for it)."""
-    y, recv, sent = a2a.dispatch_chunk(x, send_counts, a2a.resolve_group(group_name), recv_counts, chunk, chunks,
-                                       first)
-    emulated_link.hold_rows("dispatch", sent, x)
+    y, recv, _ = a2a.dispatch_chunk(x, send_counts, a2a.resolve_group(group_name), recv_counts, chunk, chunks,
+                                    first)
     return y, recv
 
 
@@ -165,9 +161,7 @@ def _combine_chunk(
     y: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor, group_name: str, chunk: int, chunks: int
 ) -> torch.Tensor:
     """``combine`` of one chunk: the chunk's rows back, in the order ``dispatch_chunk`` took them."""
-    out = a2a.combine_chunk(y, recv_counts, send_counts, a2a.resolve_group(group_name), chunk, chunks)
-    emulated_link.hold_rows("combine", out.shape[0], out)
-    return out
+    return a2a.combine_chunk(y, recv_counts, send_counts, a2a.resolve_group(group_name), chunk, chunks)
 
 
 @_combine_chunk.register_fake
@@ -194,11 +188,7 @@ def _(parts, send_counts, ep, out_rows, first):
 def _token_dispatch(
     x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_experts: int, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = dedup.dispatch(x, idx, w, n_experts, a2a.resolve_group(group_name))
-    # each token once per destination rank, with its top-k ids (int32) and weights
-    emulated_link.hold_rows("token_dispatch", emulated_link.token_rows(idx.shape[0], idx.shape[1]), x,
-                            idx.shape[1] * (4 + w.element_size()))
-    return out
+    return dedup.dispatch(x, idx, w, n_experts, a2a.resolve_group(group_name))
 
 
 @_token_dispatch.register_fake
@@ -231,11 +221,8 @@ def _token_dispatch_backward_op(
     grad_x: torch.Tensor, grad_w: torch.Tensor, idx: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor,
     recv_rows: torch.Tensor, n_experts: int, group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    gx, gw = dedup.dispatch_backward(
+    return dedup.dispatch_backward(
         grad_x, grad_w, idx, pair_index, slot, recv_rows, n_experts, a2a.resolve_group(group_name))
-    emulated_link.hold_rows("token_dispatch_backward", emulated_link.token_rows(idx.shape[0], idx.shape[1]), gx,
-                            idx.shape[1] * grad_w.element_size())
-    return gx, gw
 
 
 @_token_dispatch_backward_op.register_fake
@@ -247,9 +234,7 @@ def _(grad_x, grad_w, idx, pair_index, slot, recv_rows, n_experts, group_name):
 def _token_combine(
     y: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, top_k: int, group_name: str
 ) -> torch.Tensor:
-    out = dedup.combine(y, pair_index, slot, recv_rows, top_k, a2a.resolve_group(group_name))
-    emulated_link.hold_rows("token_combine", emulated_link.token_rows(slot.shape[0], top_k), out)
-    return out
+    return dedup.combine(y, pair_index, slot, recv_rows, top_k, a2a.resolve_group(group_name))
 
 
 @_token_combine.register_fake
@@ -277,9 +262,7 @@ def _token_combine_backward_op(
     grad_out: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_rows: torch.Tensor, top_k: int,
     group_name: str,
 ) -> torch.Tensor:
-    out = dedup.combine_backward(grad_out, pair_index, slot, recv_rows, top_k, a2a.resolve_group(group_name))
-    emulated_link.hold_rows("token_combine_backward", emulated_link.token_rows(slot.shape[0], top_k), grad_out)
-    return out
+    return dedup.combine_backward(grad_out, pair_index, slot, recv_rows, top_k, a2a.resolve_group(group_name))
 
 
 @_token_combine_backward_op.register_fake

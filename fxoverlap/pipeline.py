@@ -9,8 +9,7 @@ reference the interleaved program must equal (it runs a program, so it sits abov
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -23,7 +22,7 @@ from fxoverlap.passes.manager import (PASSES, SWITCHABLE, Pass, PassState, build
 from fxoverlap.passes.schedule import schedule
 from fxoverlap.passes.streams import streams
 from fxoverlap.config import OverlapConfig
-from fxoverlap.kernels import emulated_link
+from fxoverlap.kernels import a2a
 from fxoverlap.runtime import GradSink, ProgramRunner, StageHook, accumulate_into, static_values
 
 __all__ = ["PASSES", "SWITCHABLE", "Pass", "PassState", "build_program", "build_stages", "check_disable_passes",
@@ -38,10 +37,21 @@ def make_runner(program: torch.fx.GraphModule, stages: Sequence[Stage], capture:
     return ProgramRunner(program, stages, capture, device, grads=grads,
                          comm_stream_priority=config.comm_stream_priority,
                          sm_carveout=config.resolved_sm_carveout(device.type),
-                         # more than one EP rank (or a group not known), or the emulated link's hold
-                         comm_kernels_run=functools.partial(emulated_link.exchange_takes_sms, capture.ep_size),
+                         comm_kernels_run=comm_kernels_run(capture),
                          cuda_graphs=cuda_graphs,
                          record_memory=config.record_memory, reducer=reducer, hook=hook)
+
+
+def comm_kernels_run(capture: Capture) -> Callable[[], bool]:
+    """Asked at each run: do the exchanges run comm kernels beside the compute? Yes over a group of
+    more than one rank or a group not known (the dispatcher pass found none of fxoverlap's
+    exchanges), and over a stand-in whose exchanges hold (an emulated link that is set now): the
+    group decides (``a2a.exchange_takes_sms``), resolved from the names the comm ops carry when
+    asked, as the ops resolve them (a group the runner cannot find, the ops cannot either)."""
+    names = capture.ep_groups
+    if names is None:
+        return lambda: True
+    return lambda: any(a2a.exchange_takes_sms(a2a.resolve_group(name)) for name in names)
 
 
 def run_plain(stages: Sequence[Stage], capture: Capture, model: nn.Module,

@@ -10,11 +10,22 @@ Layout contract (the ``fxoverlap::dispatch`` / ``fxoverlap::combine`` ops rely o
 
 The same code runs on gloo and NCCL; one rank (``group=None``) needs no process
 group at all.
+
+This module also holds the group stand-ins (:class:`GroupStandIn`): a process group of one
+rank that stands in for a larger one, registered by name so that the comm ops reach it
+through their ``group_name`` argument as they reach a real group. Each transport (the
+``all_to_all`` here, the token-once ``dedup._all_to_all``, the static ``padded`` and
+``symm_mem`` ones through ``static_ep._carry``) tells it, right after its local copy, what
+an exchange over the larger group would have carried (:func:`exchanged`); the emulated
+interconnect (``kernels/emulated_link.py``) is one. The comm ops themselves know nothing
+of it.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +34,10 @@ from fxoverlap.ir.errors import FxOverlapError
 
 class ExpertSplitError(FxOverlapError, ValueError):
     """The experts cannot be split evenly over the expert-parallel group."""
+
+
+class GroupStandInError(FxOverlapError, ValueError):
+    """A group stand-in's name is taken (by another stand-in of this process)."""
 
 # Host copies of the split sizes, keyed by the recv_counts tensor object they were
 # computed for. A dispatch pays one device-to-host sync for its counts; the combine
@@ -51,9 +66,69 @@ def _recall(counts: torch.Tensor, store: dict = _host_splits):
     return hit[1] if hit is not None and hit[0] == counts._version else None
 
 
+# ---------------------------------------------------------------- process groups and stand-ins
+
+# The stand-ins of this process by name; an entry goes with its group (the compiled graphs only
+# name it: the model or the engine that was given the group keeps it alive).
+_standins: weakref.WeakValueDictionary[str, GroupStandIn] = weakref.WeakValueDictionary()
+
+
+class GroupStandIn(dist.ProcessGroup):
+    """A process group of one rank standing in for an exchange over more ranks.
+
+    Compute sees one rank (``size() == 1``, so every transport takes its one-rank path and
+    no collective runs over it); after each exchange's local copy the transport calls
+    :meth:`exchanged` with the bytes the larger exchange would have moved. It is a
+    ``ProcessGroup`` (of no backend) so that it passes wherever a group is taken
+    (``MoETransformer(cfg, group)``, ``fxoverlap.optimize(model, group)``,
+    ``dist.get_world_size(group)``), and it is registered under its ``group_name`` so that
+    :func:`resolve_group` finds it from the name the comm ops carry. A subclass overrides
+    :meth:`exchanged`, :meth:`token_rows` and :meth:`takes_sms`; this base holds nothing.
+    """
+
+    def __init__(self, name: str):
+        super().__init__(0, 1)
+        if name in _standins:
+            raise GroupStandInError(f"group stand-in {name!r}: the name is taken by {_standins[name]!r}; "
+                                    f"give each stand-in its own name")
+        self._name = name
+        _standins[name] = self
+
+    @property
+    def group_name(self) -> str:  # the name the comm ops carry (torch's own needs a backend)
+        return self._name
+
+    def __deepcopy__(self, memo: dict) -> GroupStandIn:
+        return self  # a group is shared by the copies of a model, as a real one is
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._name!r})"
+
+    def abort(self) -> None:
+        """Nothing to tear down (``Engine`` aborts the EP group when a stage fails)."""
+
+    def exchanged(self, op: str, nbytes: int, device: torch.device) -> None:
+        """An exchange ``op`` would have moved ``nbytes`` (all the rows this rank sends) on
+        ``device``; called on the op's current stream, right after its local copy."""
+
+    def token_rows(self, tokens: int, top_k: int) -> float:
+        """Rows a token-once exchange of ``tokens`` tokens (``top_k`` experts each) moves:
+        each token once per destination rank. One rank: each token once."""
+        return float(tokens)
+
+    def takes_sms(self) -> bool:
+        """Whether its exchanges run a kernel beside the compute (the SM carveout asks)."""
+        return False
+
+
 def resolve_group(group_name: str) -> dist.ProcessGroup | None:
+    """The group the comm ops name: None for ``""`` (one rank), a registered stand-in, or
+    torch's process group of that name."""
     if not group_name:
         return None
+    standin = _standins.get(group_name)
+    if standin is not None:
+        return standin
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
@@ -65,6 +140,40 @@ def group_name_of(group: dist.ProcessGroup | None) -> str:
 
 def world_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def one_rank(group: dist.ProcessGroup | None) -> bool:
+    """No peer to exchange with: no group, or a stand-in (a real group of one rank still
+    runs its collectives)."""
+    return group is None or isinstance(group, GroupStandIn)
+
+
+def row_bytes(x: torch.Tensor) -> int:
+    """Bytes of one row (dim 0) of ``x``."""
+    return (math.prod(x.shape[1:]) if x.dim() else 1) * x.element_size()
+
+
+def exchanged(group: dist.ProcessGroup | None, op: str, parts: Sequence[torch.Tensor], rows: int | None = None,
+              tokens: tuple[int, int] | None = None) -> None:
+    """The chokepoint every transport calls right after its local copy: a stand-in group
+    hears what the exchange would have moved; any other group, nothing.
+
+    ``parts``: the tensors whose rows travel side by side (a row's bytes are theirs together);
+    ``rows``: how many rows this rank sends (the per-expert layout: all it has, the stand-in
+    applies the share that would leave it), or ``tokens = (T, top_k)`` for the token-once
+    layout, whose rows the stand-in knows (:meth:`GroupStandIn.token_rows`)."""
+    if not isinstance(group, GroupStandIn):
+        return
+    n = rows if tokens is None else group.token_rows(*tokens)
+    group.exchanged(op, int(round(n * sum(row_bytes(p) for p in parts))), parts[0].device)
+
+
+def exchange_takes_sms(group: dist.ProcessGroup | None) -> bool:
+    """Whether an exchange over ``group`` runs a comm kernel beside the compute here: a real
+    group of more than one rank, or a stand-in whose exchanges do (the emulated link's hold)."""
+    if isinstance(group, GroupStandIn):
+        return group.takes_sms()
+    return world_size(group) > 1
 
 
 def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -99,7 +208,7 @@ def dispatch_tokens(
     if recv_counts is None:
         recv_counts = exchange_counts(send_counts, group)
     if ep == 1:
-        return x.clone(), recv_counts.clone()
+        return _one_rank(group, "dispatch", x.clone()), recv_counts.clone()
     el = recv_counts.shape[1]
     splits = _split_counts(send_counts, recv_counts, ep, el)
     send_per_rank, recv_per_src, recv_flat = splits
@@ -120,7 +229,7 @@ def combine_tokens(
 ) -> torch.Tensor:
     ep = world_size(group)
     if ep == 1:
-        return y.clone()
+        return _one_rank(group, "combine", y.clone())
     el = recv_counts.shape[1]
     send_per_rank, recv_per_src, recv_flat = _split_counts(send_counts, recv_counts, ep, el)
     # expert-major -> source-major: chunk (e, s) has recv_counts[s, e] rows
@@ -129,6 +238,13 @@ def combine_tokens(
     out = y.new_empty(sum(send_per_rank), y.shape[1])
     dist.all_to_all_single(out, src_major.contiguous(), send_per_rank, recv_per_src, group=group)
     return out
+
+
+def _one_rank(group: dist.ProcessGroup | None, op: str, rows: torch.Tensor) -> torch.Tensor:
+    """The ``all_to_all`` transport on one rank: ``rows``, the local copy, is what arrives (and
+    all of what would have been sent); a stand-in group hears of it (:func:`exchanged`)."""
+    exchanged(group, op, (rows,), rows.shape[0])
+    return rows
 
 
 def _split_counts(
@@ -230,7 +346,7 @@ def dispatch_chunk(
             _remember(recv_counts, plan, _chunk_plans)
     x_c = _take_rows(x, runs)
     if ep == 1:  # nothing travels: the chunk's rows are already grouped by (local) expert
-        return x_c, recv_counts, x_c.shape[0]
+        return _one_rank(group, "dispatch", x_c), recv_counts, x_c.shape[0]
     y, _ = dispatch_tokens(x_c, chunk_counts(send_counts, ep, chunk, chunks), group, recv_counts)
     return y, recv_counts, x_c.shape[0]
 
@@ -241,7 +357,7 @@ def combine_chunk(y: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch
     took them (the split sizes are the ones it remembered for ``recv_counts``)."""
     ep = world_size(group)
     if ep == 1:
-        return y.clone()
+        return _one_rank(group, "combine", y.clone())
     return combine_tokens(y, recv_counts, chunk_counts(send_counts, ep, chunk, chunks), group)
 
 

@@ -30,14 +30,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxoverlap.kernels.a2a import ExpertSplitError, _recall, _remember, world_size
+from fxoverlap.kernels.a2a import ExpertSplitError, _recall, _remember, exchanged, one_rank, world_size
 from fxoverlap.kernels.row_sum import sum_per_row
 
 
-def _all_to_all(out_rows: list[int], parts: list[torch.Tensor], in_rows: list[int], group) -> list[torch.Tensor]:
-    """One all-to-all for several ``[rows, cols]`` tensors (any dtypes), packed as bytes."""
-    if group is None:
-        return [p.clone() for p in parts]
+def _all_to_all(out_rows: list[int], parts: list[torch.Tensor], in_rows: list[int], group, op: str | None = None,
+                tokens: tuple[int, int] | None = None) -> list[torch.Tensor]:
+    """One all-to-all for several ``[rows, cols]`` tensors (any dtypes), packed as bytes: the
+    token-once transport. On one rank the parts are copied, and then a stand-in group hears of
+    the exchange ``op`` of ``tokens = (T, top_k)`` tokens (``a2a.exchanged``). The counts
+    exchanges pass no ``op``: an op pays the link once, for its rows."""
+    if one_rank(group):
+        out = [p.clone() for p in parts]
+        if op is not None:
+            exchanged(group, op, out, tokens=tokens)
+        return out
     widths = [p.shape[1] * p.element_size() for p in parts]
     packed = torch.cat([p.contiguous().view(torch.uint8) for p in parts], 1) if len(parts) > 1 else (
         parts[0].contiguous().view(torch.uint8))
@@ -108,7 +115,8 @@ def dispatch(
     mine = idx_rows // el == rank_of_row.unsqueeze(1)
     send_ids = torch.where(mine, idx_rows % el, el).to(torch.int32)
     send_w = torch.where(mine, w.index_select(0, token), 0)
-    recv_x, recv_ids, recv_w = _all_to_all(recv_list, [x.index_select(0, token), send_ids, send_w], send_list, group)
+    recv_x, recv_ids, recv_w = _all_to_all(recv_list, [x.index_select(0, token), send_ids, send_w], send_list, group,
+                                           "token_dispatch", (t, k))
     pair_index = torch.argsort(recv_ids.flatten(), stable=True)[:n_pairs]
     pairs_x = recv_x.index_select(0, pair_index // k)
     pairs_w = recv_w.flatten().index_select(0, pair_index)
@@ -124,7 +132,8 @@ def dispatch_backward(
     rows, k = sum(recv_list), idx.shape[1]
     row_gx = sum_per_row(grad_x, pair_index, rows, k)
     row_gw = grad_w.new_zeros(rows * k).index_copy_(0, pair_index, grad_w).view(rows, k)
-    back_x, back_w = _all_to_all(send_list, [row_gx, row_gw], recv_list, group)
+    back_x, back_w = _all_to_all(send_list, [row_gx, row_gw], recv_list, group, "token_dispatch_backward",
+                                 (idx.shape[0], k))
     return _sum_per_token(back_x, slot), weight_grads(back_w, slot, idx, n_experts // slot.shape[1])
 
 
@@ -140,7 +149,7 @@ def combine(y: torch.Tensor, pair_index: torch.Tensor, slot: torch.Tensor, recv_
     """Sum each received row's pair outputs, send the rows home, sum a token's rows over ranks."""
     send_list, recv_list = _host_splits(slot, recv_rows)
     rows = sum_per_row(y, pair_index, sum(recv_list), k)
-    (back,) = _all_to_all(send_list, [rows], recv_list, group)
+    (back,) = _all_to_all(send_list, [rows], recv_list, group, "token_combine", (slot.shape[0], k))
     return _sum_per_token(back, slot)
 
 
@@ -149,5 +158,6 @@ def combine_backward(grad_out: torch.Tensor, pair_index: torch.Tensor, slot: tor
     """Gradient of ``combine``: each token's gradient goes to every pair it was sent to."""
     send_list, recv_list = _host_splits(slot, recv_rows)
     token = _rows_of_slots(slot, sum(send_list))
-    (rows,) = _all_to_all(recv_list, [grad_out.index_select(0, token)], send_list, group)
+    (rows,) = _all_to_all(recv_list, [grad_out.index_select(0, token)], send_list, group, "token_combine_backward",
+                          (slot.shape[0], k))
     return rows.index_select(0, pair_index // k)

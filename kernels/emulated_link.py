@@ -1,25 +1,31 @@
-"""An emulated EP interconnect: every fxoverlap all-to-all holds its stream as a real link would.
+"""An emulated EP interconnect: a process group stand-in whose exchanges hold their stream
+as a real link would.
 
-On one device an expert-parallel all-to-all moves nothing, so there is nothing for
-fxoverlap to hide. With a :class:`Link` set (:func:`set_link` or :func:`using`), every
-fxoverlap comm op (``dispatch``, ``combine``, ``token_dispatch``, ``token_combine``, their
-backward ops and every static variant, ``fxoverlap/ops.py`` and ``fxoverlap/dispatch_ops.py``)
-calls :func:`hold` at the end of its implementation, after its local copy, with the bytes
-an EP-N rank would move: ``seconds = latency + bytes * (N - 1) / N * skew / bandwidth``.
+On one device an expert-parallel all-to-all moves nothing, so there is nothing for fxoverlap
+to hide. :class:`EmulatedGroup` is a group of one rank (``a2a.GroupStandIn``) that stands in
+for EP N: build the model on it and pass it where the EP group goes, as a real group would be
+(``MoETransformer(cfg, group)``, ``fxoverlap.optimize(model, group)``). The comm ops reach it
+through their own ``group_name`` argument; each transport runs its one-rank copy and then
+tells the group what an EP-N rank would have moved (``a2a.exchanged``, one chokepoint per
+transport), and the group holds the op's current stream for
+``seconds = latency + bytes * (N - 1) / N * skew / bandwidth`` of its :class:`Link`
+(nothing while its link is None). The comm ops (``fxoverlap/ops.py``,
+``fxoverlap/dispatch_ops.py``) never import this module (an import-linter contract).
 
-On CUDA the hold is a spinning kernel of 16 blocks x 512 threads on the op's current
-stream (the comm stream under fxoverlap, the default stream in eager and under
-``torch.compile``): each block reads ``%globaltimer`` and spins until the time has
-passed, so it holds SM slots as an NCCL/NVSHMEM kernel does (``torch.cuda._sleep`` does
-not: it was seen to let everything else run as if the link were free). On CPU it
-sleeps. A stand-in (:func:`standin`, e.g. :class:`Counter`) replaces both: the CPU
-tests count the calls and bytes with it.
+On CUDA the hold is a spinning kernel of 16 blocks x 512 threads on the op's current stream
+(the comm stream under fxoverlap, the default stream in eager and under
+``torch.compile``): each block reads ``%globaltimer`` and spins until the time has passed,
+so it holds SM slots as an NCCL/NVSHMEM kernel does (``torch.cuda._sleep`` does not: it was
+seen to let everything else run as if the link were free). On CPU it sleeps. A stand-in for
+the hold itself (:func:`standin`, e.g. :class:`Counter`) replaces both: the CPU tests count
+the calls and bytes with it.
 
-Nothing here is read while tracing: the op bodies are opaque to Dynamo, AOT and
-Inductor (only their fake kernels are traced), so the hold runs in every mode, eager,
+Nothing here is read while tracing: the op bodies are opaque to Dynamo, AOT and Inductor
+(only their fake kernels are traced), so the hold runs in every mode, eager,
 ``torch.compile(model)``, the ``fxoverlap`` backend and ``fxoverlap.optimize``, and the
-link can be changed between steps without a recompile. A CUDA graph that captured a
-comm op bakes the hold's duration in: fxoverlap never graphs comm stages, but
+group's link can be changed between steps (:attr:`EmulatedGroup.link`,
+:meth:`EmulatedGroup.using`) without a recompile. A CUDA graph that captured a comm op bakes
+the hold's duration in: fxoverlap never graphs comm stages, but
 ``torch.compile(model, mode="reduce-overhead")`` could (docs/design.md, "The emulated
 interconnect").
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import threading
 import time
@@ -36,6 +43,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from fxoverlap.ir.errors import FxOverlapError
+from fxoverlap.kernels.a2a import GroupStandIn
 
 
 class LinkError(FxOverlapError, ValueError):
@@ -116,12 +124,12 @@ def preset(name: str, **changes) -> Link:
     return PRESETS[name].replace(**changes)
 
 
-# ---------------------------------------------------------------- the process-wide setting
+# ---------------------------------------------------------------- the group
 
 
 @dataclasses.dataclass
 class Stats:
-    """What :func:`hold` was asked for since the last :meth:`reset`: per op, calls, bytes, seconds."""
+    """What a group's holds were asked for since the last :meth:`reset`: per op, calls, bytes, seconds."""
 
     calls: int = 0
     nbytes: int = 0
@@ -145,38 +153,82 @@ class Stats:
                 "by_op": {k: {"calls": c, "bytes": b, "ms": s * 1e3} for k, (c, b, s) in sorted(self.by_op.items())}}
 
 
-_lock = threading.Lock()
-_link: Link | None = None
+_names = itertools.count()
+
+
+class EmulatedGroup(GroupStandIn):
+    """One rank of EP-``link.ep`` on this device: a process group of one rank for compute,
+    whose every exchange holds the op's stream as ``link`` would (None: holds nothing).
+
+    Pass it where the EP group goes (the model's layers, ``fxoverlap.optimize``); the comm
+    ops find it by its ``group_name`` (``fxoverlap_emulated_<n>`` unless ``name`` is given).
+    ``stats`` sums what its holds were asked for (the bench's T_comm)."""
+
+    def __init__(self, link: Link | None = None, name: str | None = None):
+        super().__init__(name or f"fxoverlap_emulated_{next(_names)}")
+        self._lock = threading.Lock()
+        self.stats = Stats()
+        self.link = link
+
+    @property
+    def link(self) -> Link | None:
+        """The emulated link (None: the exchanges hold nothing); may change between steps."""
+        return self._link
+
+    @link.setter
+    def link(self, link: Link | None) -> None:
+        if link is not None and not isinstance(link, Link):
+            raise LinkError(f"{self!r}: the link is an emulated_link.Link or None, got {type(link).__name__}")
+        self._link = link
+
+    @contextlib.contextmanager
+    def using(self, link: Link | None) -> Iterator[Link | None]:
+        """This group's link is ``link`` for the ``with`` block, then the previous one again."""
+        before = self._link
+        self.link = link
+        try:
+            yield link
+        finally:
+            self._link = before
+
+    def takes_sms(self) -> bool:
+        return self._link is not None  # the hold kernel runs beside the compute
+
+    def token_rows(self, tokens: int, top_k: int) -> float:
+        """Each token once per destination rank of an EP-N rank (:meth:`Link.token_ranks`)."""
+        link = self._link
+        return 0.0 if link is None else tokens * link.token_ranks(top_k)
+
+    def exchanged(self, op: str, nbytes: int, device: torch.device) -> None:
+        """Hold the current stream of ``device`` as the link would for an all-to-all of ``nbytes``."""
+        link = self._link
+        if link is None:
+            return
+        seconds = link.seconds(int(nbytes))
+        if seconds > MAX_HOLD_S:
+            raise LinkError(f"emulated link: {op} would hold its stream {seconds:.1f} s for {nbytes} bytes on "
+                            f"{link}; check the units (GB/s, us)")
+        with self._lock:
+            self.stats.add(op, int(nbytes), seconds)
+        hold = _standin
+        if hold is not None:
+            hold(op, int(nbytes), seconds, device)
+        elif device.type == "cuda":
+            spin(seconds, device)
+        else:
+            time.sleep(seconds)
+
+
+# ---------------------------------------------------------------- the hold's stand-in (tests)
+
 _standin: Callable[[str, int, float, torch.device], None] | None = None
-stats = Stats()
-
-
-def set_link(link: Link | None) -> None:
-    """Emulate ``link`` in every fxoverlap comm op of this process from now on (None: off)."""
-    global _link
-    if link is not None and not isinstance(link, Link):
-        raise LinkError(f"set_link takes an emulated_link.Link or None, got {type(link).__name__}")
-    _link = link
-
-
-def get_link() -> Link | None:
-    return _link
-
-
-@contextlib.contextmanager
-def using(link: Link | None) -> Iterator[Link | None]:
-    """``set_link(link)`` for the ``with`` block, then the previous setting again."""
-    before = _link
-    set_link(link)
-    try:
-        yield link
-    finally:
-        set_link(before)
 
 
 @contextlib.contextmanager
 def standin(fn: Callable[[str, int, float, torch.device], None] | None) -> Iterator[None]:
-    """Replace the hold itself (kernel or sleep) by ``fn(op, nbytes, seconds, device)``."""
+    """Replace the hold itself (kernel or sleep) by ``fn(op, nbytes, seconds, device)`` in every
+    :class:`EmulatedGroup` for the ``with`` block (the tests' hook: the holds still happen where
+    they would, with their numbers, but nothing spins or sleeps)."""
     global _standin
     before = _standin
     _standin = fn
@@ -208,60 +260,12 @@ class Counter:
         return {k: tuple(v) for k, v in sorted(out.items())}
 
 
-# ---------------------------------------------------------------- the hold
-
-
-def hold(op: str, nbytes: int, device: torch.device) -> None:
-    """Hold the current stream of ``device`` as the set link would for an all-to-all of
-    ``nbytes``; nothing without a link. Called by the comm ops' implementations only."""
-    link = _link
-    if link is None:
-        return
-    seconds = link.seconds(int(nbytes))
-    if seconds > MAX_HOLD_S:
-        raise LinkError(f"emulated link: {op} would hold its stream {seconds:.1f} s for {nbytes} bytes on "
-                        f"{link}; check the units (GB/s, us)")
-    with _lock:
-        stats.add(op, int(nbytes), seconds)
-    if _standin is not None:
-        _standin(op, int(nbytes), seconds, device)
-    elif device.type == "cuda":
-        spin(seconds, device)
-    else:
-        time.sleep(seconds)
-
-
-def exchange_takes_sms(ep_size: int | None) -> bool:
-    """Whether an exchange over ``ep_size`` ranks runs a comm kernel beside the compute here: a
-    real one (more than one rank, or a group not known), or the emulated link's hold."""
-    return ep_size is None or ep_size > 1 or _link is not None
-
-
-def row_bytes(x: torch.Tensor) -> int:
-    """Bytes of one row (dim 0) of ``x``."""
-    return (x.numel() // max(x.shape[0], 1) if x.dim() else 1) * x.element_size()
-
-
-def hold_rows(op: str, rows: float, x: torch.Tensor, extra_row_bytes: int = 0) -> None:
-    """:func:`hold` for ``rows`` rows shaped like ``x``'s (plus ``extra_row_bytes`` each)."""
-    if _link is None:
-        return
-    hold(op, int(round(rows * (row_bytes(x) + extra_row_bytes))), x.device)
-
-
-def token_rows(tokens: int, top_k: int) -> float:
-    """Rows a token-once all-to-all of ``tokens`` tokens moves on an EP-N rank: each
-    token once per destination rank (:meth:`Link.token_ranks`)."""
-    link = _link
-    return 0.0 if link is None else tokens * link.token_ranks(top_k)
-
-
 # ---------------------------------------------------------------- the CUDA kernel
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: hold() sleeps or calls the stand-in
+except ImportError:  # CPU-only installs: the hold sleeps or calls the stand-in
     triton = None
 
 if triton is not None:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fxoverlap.kernels.a2a import world_size
+from fxoverlap.kernels.a2a import exchanged, world_size
 from fxoverlap.kernels.dedup import _sum_per_token, weight_grads
 from fxoverlap.kernels.row_sum import sum_at
 
@@ -62,6 +62,17 @@ def _record_overflow(overflow: torch.Tensor, site: int, needed: torch.Tensor) ->
 
 def _arange(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(n, device=like.device)
+
+
+def _carry(transport: Transport, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], group, capacity: int, op: str,
+           rows: int | None = None, tokens: tuple[int, int] | None = None) -> list[torch.Tensor]:
+    """``transport(parts, group, capacity)`` for the rows of exchange ``op``, then the chokepoint of
+    the static transports (``padded`` and ``symm_mem`` alike): a stand-in group hears of the real
+    rows (``rows`` sent, or ``tokens = (T, top_k)``), as the generic ops report them; the padded
+    transport's padding is not counted (``a2a.exchanged``)."""
+    landing = transport(parts, group, capacity)
+    exchanged(group, op, [src for src, _ in parts], rows, tokens)
+    return landing
 
 
 def _exchange(msg: torch.Tensor, group, transport: Transport) -> torch.Tensor:
@@ -145,7 +156,8 @@ def dispatch(
     per_link, start = _sender(send_counts, ep, capacity)
     if overflow is not None:
         _record_overflow(overflow, site, torch.maximum(per_link.max(), recv_counts.sum(1).max()))
-    (landing,) = transport([(x, _row_of_send_slot(per_link, start, capacity))], group, capacity)
+    (landing,) = _carry(transport, [(x, _row_of_send_slot(per_link, start, capacity))], group, capacity, "dispatch",
+                        x.shape[0])
     got, arrived = _receiver(recv_counts, capacity)
     return masked_rows(landing, _landing_slot_of_row(got, arrived, capacity)), arrived
 
@@ -156,7 +168,8 @@ def combine(
 ) -> torch.Tensor:
     """Inverse of :func:`dispatch`: ``[out_rows, D]``, rows back in the sender's order."""
     got, arrived = _receiver(recv_counts, capacity)
-    (landing,) = transport([(y, _row_of_landing_slot(got, arrived, capacity))], group, capacity)
+    (landing,) = _carry(transport, [(y, _row_of_landing_slot(got, arrived, capacity))], group, capacity, "combine",
+                        out_rows)
     per_link, start = _sender(send_counts, world_size(group), capacity)
     return masked_rows(landing, _send_slot_of_row(per_link, start, out_rows, capacity))
 
@@ -210,7 +223,8 @@ def token_dispatch(
     ws = torch.where(mine, w.unsqueeze(1), 0).view(t * ep, k)
     token = _token_of_send_slot(slot, capacity)
     entry = torch.where(token >= 0, token * ep + _arange(ep * capacity, idx) // capacity, -1)
-    land_x, land_ids, land_w = transport([(x, token), (ids, entry), (ws, entry)], group, capacity)
+    land_x, land_ids, land_w = _carry(transport, [(x, token), (ids, entry), (ws, entry)], group, capacity,
+                                      "token_dispatch", tokens=(t, k))
 
     recv_rows = recv_msg[:, 0].clamp(max=capacity)
     rows = _landing_rows(recv_rows, capacity)
@@ -236,7 +250,8 @@ def token_dispatch_backward(
     row_gx = sum_at(grad_x, pos)
     row_gw = masked_rows(grad_w, torch.where(pos < grad_w.shape[0], pos, -1).flatten()).view(rows, k)
     sel = _landing_rows(recv_rows, capacity)
-    back_x, back_w = transport([(row_gx, sel), (row_gw, sel)], group, capacity)
+    back_x, back_w = _carry(transport, [(row_gx, sel), (row_gw, sel)], group, capacity, "token_dispatch_backward",
+                            tokens=(idx.shape[0], k))
     return _sum_per_token(back_x, slot), weight_grads(back_w, slot, idx, n_experts // slot.shape[1])
 
 
@@ -246,7 +261,8 @@ def token_combine(
 ) -> torch.Tensor:
     """``out[t]`` = sum of ``y`` over t's pairs on every rank, ``[T, D]``, as ``dedup.combine``."""
     rows = sum_at(y, _pair_positions(pair_index, recv_rows.shape[0] * capacity, k))
-    (back,) = transport([(rows, _landing_rows(recv_rows, capacity))], group, capacity)
+    (back,) = _carry(transport, [(rows, _landing_rows(recv_rows, capacity))], group, capacity, "token_combine",
+                     tokens=(slot.shape[0], k))
     return _sum_per_token(back, slot)
 
 
@@ -255,5 +271,6 @@ def token_combine_backward(
     capacity: int, transport: Transport,
 ) -> torch.Tensor:
     """Gradient of :func:`token_combine`: each token's gradient to every pair it was sent to."""
-    (landing,) = transport([(grad_out, _token_of_send_slot(slot, capacity))], group, capacity)
+    (landing,) = _carry(transport, [(grad_out, _token_of_send_slot(slot, capacity))], group, capacity,
+                        "token_combine_backward", tokens=(slot.shape[0], k))
     return masked_rows(landing, _row_of_pair(pair_index, k))

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from fxoverlap.kernels.a2a import group_name_of, world_size
+from fxoverlap.kernels.a2a import group_name_of, one_rank, world_size
 from fxoverlap.kernels.static_ep import masked_rows
 
 try:
@@ -92,7 +92,7 @@ def _word_dtype(nbytes: int) -> torch.dtype:
 def transport(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], group, capacity: int) -> list[torch.Tensor]:
     """``static_ep`` transport contract. The landing views are valid until the next exchange
     of the same shape; rows past a sender's real rows hold stale data (never read)."""
-    if group is None:  # one rank: the outgoing slots are the landing slots
+    if one_rank(group):  # one rank (or a stand-in's): the outgoing slots are the landing slots
         return [masked_rows(src, sel) for src, sel in parts]
     ep, me = world_size(group), dist.get_rank(group)
     # Parts sit side by side in one byte buffer, each at a 16-byte aligned column, so
@@ -132,8 +132,9 @@ def usable(group: dist.ProcessGroup | None, device: torch.device) -> tuple[bool,
     """
     if device.type != "cuda":
         return False, f"the model is on {device.type}; symmetric memory needs CUDA"
-    if group is None:
-        return False, "there is no expert-parallel process group (one rank has nothing to exchange)"
+    if one_rank(group):
+        return False, ("there is no expert-parallel process group (one rank has nothing to exchange)" if group is None
+                       else f"the expert-parallel group {group!r} is a one-rank stand-in (nothing to map)")
     if triton is None:
         return False, "Triton is not installed (the row-copy kernel is written in Triton)"
     try:

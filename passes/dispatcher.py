@@ -190,12 +190,14 @@ def rewrite_sites(gm: torch.fx.GraphModule, sites: list[Site], transport: str) -
 @dataclasses.dataclass(frozen=True)
 class Lowering:
     """What :func:`dispatcher` chose: the backend the EP ops run on, the overflow flags of a
-    capacity below the worst case (None: nothing can overflow), and the EP group size of the
-    exchanges (None: the graph has none of fxoverlap's, so their group is not known here)."""
+    capacity below the worst case (None: nothing can overflow), the EP group size of the
+    exchanges and the names of their groups (None: the graph has none of fxoverlap's, so their
+    group is not known here)."""
 
     backend: str
     overflow: OverflowFlags | None = None
     ep_size: int | None = None
+    groups: tuple[str, ...] | None = None
 
 
 class _Prop(FakeTensorProp):
@@ -328,6 +330,7 @@ def dispatcher(gm: torch.fx.GraphModule, backend: str = "auto", capacity_factor:
             f"OverlapConfig.dispatch_capacity_factor must be > 0 (or None for the worst case), got {capacity_factor}")
     sites = find_sites(gm, capacity_factor)
     ep_size = max((a2a.world_size(a2a.resolve_group(s.group_name)) for s in sites), default=None)
+    groups = tuple(dict.fromkeys(s.group_name for s in sites)) or None
     chosen = _resolve(backend, gm, sites)
     if chosen == "all_to_all":
         if capacity_factor is not None and sites:
@@ -336,9 +339,9 @@ def dispatcher(gm: torch.fx.GraphModule, backend: str = "auto", capacity_factor:
                 f"dispatcher={backend!r} runs all_to_all here (variable split sizes, nothing to bound); set "
                 f"dispatcher='padded' (or 'symm_mem' on one CUDA host), or drop the factor"
             )
-        return Lowering(chosen, ep_size=ep_size)
+        return Lowering(chosen, ep_size=ep_size, groups=groups)
     overflow = rewrite_sites(gm, sites, chosen)
     propagate_fake_values(gm)
     check_row_wise(gm)
     _fold_sizes(gm)
-    return Lowering(chosen, overflow, ep_size)
+    return Lowering(chosen, overflow, ep_size, groups)

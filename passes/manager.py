@@ -116,6 +116,7 @@ class Pass:
 def _dispatcher(st: PassState) -> None:
     lowering = dispatcher(st.capture.graph_module, st.config.dispatcher, st.config.dispatch_capacity_factor)
     st.capture.dispatcher, st.capture.overflow, st.capture.ep_size = lowering.backend, lowering.overflow, lowering.ep_size
+    st.capture.ep_groups = lowering.groups
 
 
 def _tag(st: PassState) -> None:

@@ -5,7 +5,7 @@
 1. ``spin(t)`` alone on a stream lasts t (CUDA events), for t from 20 us to 20 ms.
 2. A GEMM loop on one stream, alone and with holds running on a second stream: the holds'
    own time, and what they cost the GEMMs (a comm kernel's resident blocks take SM slots).
-3. ``fxoverlap::dispatch`` with a link set holds its stream for ``Link.seconds(bytes)``.
+3. ``fxoverlap::dispatch`` over an ``EmulatedGroup`` holds its stream for ``Link.seconds(bytes)``.
 Prints one ``EMUCHECK {json}`` line per check.
 """
 
@@ -82,10 +82,11 @@ def main() -> None:
     x = torch.randn(32768, 4096, device=dev, dtype=torch.bfloat16)
     counts = torch.full((4,), 32768 // 4, device=dev, dtype=torch.long)
     link = el.preset("nvlink", ep=8)
-    ops.dispatch(x, counts, None)
-    plain = sorted(timed(lambda: ops.dispatch(x, counts, None)) for _ in range(5))[2]
-    with el.using(link):
-        held = sorted(timed(lambda: ops.dispatch(x, counts, None)) for _ in range(5))[2]
+    group = el.EmulatedGroup(link)  # the dispatch reaches it through its group argument
+    with group.using(None):
+        ops.dispatch(x, counts, group)
+        plain = sorted(timed(lambda: ops.dispatch(x, counts, group)) for _ in range(5))[2]
+    held = sorted(timed(lambda: ops.dispatch(x, counts, group)) for _ in range(5))[2]
     want = link.seconds(x.numel() * x.element_size()) * 1e3
     emit({"check": "dispatch_hold", "plain_ms": plain, "held_ms": held, "link_ms": want,
           "ok": abs(held - plain - want) <= 0.05 + 0.05 * want})

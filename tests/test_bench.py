@@ -180,11 +180,12 @@ def test_stage_timer_records_what_the_link_held():
     from fxoverlap.bench.probe import StageTimer
     from fxoverlap.kernels import emulated_link
 
-    timer = StageTimer(False, torch.device("cpu"))
-    node = type("N", (), {"name": "F0_l0_dispatch"})()
     link = emulated_link.Link(100.0, ep=8)
-    with emulated_link.using(link), emulated_link.standin(emulated_link.Counter()):
-        timer(node, None, lambda: emulated_link.hold("dispatch", 10**9, torch.device("cpu")))
+    group = emulated_link.EmulatedGroup(link)
+    timer = StageTimer(False, torch.device("cpu"), group.stats)
+    node = type("N", (), {"name": "F0_l0_dispatch"})()
+    with emulated_link.standin(emulated_link.Counter()):
+        timer(node, None, lambda: group.exchanged("dispatch", 10**9, torch.device("cpu")))
         timer(type("N", (), {"name": "F0_l0_experts"})(), None, lambda: None)
     assert timer.holds == {"F0_l0_dispatch": pytest.approx(link.seconds(10**9) * 1e3)}
     assert set(timer.times) == {"F0_l0_dispatch", "F0_l0_experts"}

@@ -258,10 +258,11 @@ def test_emulated_link_sees_the_same_bytes_in_more_calls():
     seen = {}
     for chunks in (1, 2):
         torch.manual_seed(0)
-        model = MoETransformer(MoEConfig.tiny(n_layers=2, n_experts=8))
-        engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(compiler="eager", chunks=chunks))
+        group = el.EmulatedGroup(el.preset("nvlink", ep=2, experts=8))
+        model = MoETransformer(MoEConfig.tiny(n_layers=2, n_experts=8), group)
+        engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(compiler="eager", chunks=chunks))
         counter = el.Counter()
-        with el.using(el.preset("nvlink", ep=2, experts=8)), el.standin(counter):
+        with el.standin(counter):
             engine.forward_backward(token_batches(64, 2, (2, 8)))
         seen[chunks] = counter.by_op()
     assert set(seen[1]) == set(seen[2]) == {"dispatch", "combine"}

@@ -1,9 +1,13 @@
-"""The emulated interconnect (``fxoverlap/kernels/emulated_link.py``): wired into every comm op
-in every mode, its presets and arithmetic, the folded routing of an EP-N rank
-(``MoEConfig.expert_fold``) and the bench's flags. CPU: a counting stand-in replaces the hold."""
+"""The emulated interconnect (``fxoverlap/kernels/emulated_link.py``): an injected group stand-in
+(``EmulatedGroup``) that every transport tells of its exchanges in every mode, its presets and
+arithmetic, the folded routing of an EP-N rank (``MoEConfig.expert_fold``) and the bench's flags.
+CPU: a counting stand-in replaces the hold."""
 
 from __future__ import annotations
 
+import ast
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -13,11 +17,13 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import fxoverlap
 from fxoverlap.bench.cli import emulated_config, parse_args
 from fxoverlap.bench.run import hidden_share
 from fxoverlap.config import ConfigError, OverlapConfig
+from fxoverlap.kernels import a2a
 from fxoverlap.kernels import emulated_link as el
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.models.moe import ModelConfigError, Router
@@ -55,17 +61,80 @@ def test_presets_and_arithmetic():
 
 
 def test_hold_without_a_link_is_free_and_using_restores():
-    counter = el.Counter()
+    counter, cpu = el.Counter(), torch.device("cpu")
+    group = el.EmulatedGroup(None)
     with el.standin(counter):
-        el.hold("dispatch", 10**6, torch.device("cpu"))
-        assert counter.calls == []
-        with el.using(el.preset("nvlink")):
-            assert el.get_link().name == "nvlink"
-            el.hold("dispatch", 10**6, torch.device("cpu"))
-        assert el.get_link() is None
+        group.exchanged("dispatch", 10**6, cpu)
+        assert counter.calls == [] and not group.takes_sms()
+        with group.using(el.preset("nvlink")):
+            assert group.link.name == "nvlink" and group.takes_sms()
+            group.exchanged("dispatch", 10**6, cpu)
+        assert group.link is None
     assert counter.calls == [("dispatch", 10**6, pytest.approx(el.preset("nvlink").seconds(10**6)))]
-    with el.using(el.Link(1e-9, ep=2)), pytest.raises(el.LinkError, match="units"):
-        el.hold("dispatch", 10**6, torch.device("cpu"))  # a 500 000 s hold: refused, never spun
+    assert group.stats.calls == 1 and group.stats.nbytes == 10**6
+    with group.using(el.Link(1e-9, ep=2)), pytest.raises(el.LinkError, match="units"):
+        group.exchanged("dispatch", 10**6, cpu)  # a 500 000 s hold: refused, never spun
+    with pytest.raises(el.LinkError, match="Link or None"):
+        group.link = 100.0
+
+
+def test_the_group_is_a_process_group_found_by_its_name():
+    """What lets the group be injected as a real one: a ProcessGroup of one rank that the comm ops'
+    ``group_name`` resolves to, shared (not copied) by a model's copies, refused under a taken name."""
+    import gc
+
+    from fxoverlap.inputs import check_group
+
+    group = el.EmulatedGroup(el.preset("nvlink", ep=4), name="emu_test_found")
+    assert isinstance(group, torch.distributed.ProcessGroup) and isinstance(group, a2a.GroupStandIn)
+    assert torch.distributed.get_world_size(group) == 1 and group.size() == 1 and group.rank() == 0
+    assert a2a.group_name_of(group) == "emu_test_found" and a2a.resolve_group("emu_test_found") is group
+    assert a2a.world_size(group) == 1 and a2a.one_rank(group) and a2a.one_rank(None)
+    check_group(group, "ep_group")  # accepted where optimize takes a group
+    assert copy.deepcopy(group) is group
+    model = MoETransformer(MoEConfig.tiny(**CFG), group)
+    assert copy.deepcopy(model).layers[0].moe.ep_group is group
+    with pytest.raises(a2a.GroupStandInError, match="taken"):
+        el.EmulatedGroup(None, name="emu_test_found")
+    # whether a comm kernel runs beside the compute: the group decides
+    assert not a2a.exchange_takes_sms(None) and a2a.exchange_takes_sms(group)
+    with group.using(None):
+        assert not a2a.exchange_takes_sms(group)
+    assert not a2a.exchange_takes_sms(a2a.GroupStandIn("emu_test_plain"))  # a stand-in that holds nothing
+    # the chokepoint tells the group only; any other group hears nothing
+    with el.standin(counter := el.Counter()):
+        a2a.exchanged(None, "dispatch", [torch.ones(4, 2)], 4)
+        a2a.exchanged(group, "dispatch", [torch.ones(4, 2)], 4)
+    assert counter.calls == [("dispatch", 32, pytest.approx(group.link.seconds(32)))]
+    del model, group
+    gc.collect()
+    with pytest.raises(Exception):  # gone with its group: the name no longer resolves
+        a2a.resolve_group("emu_test_found")
+
+
+def test_production_ops_do_not_reference_the_emulated_link():
+    """``fxoverlap/ops.py`` and ``fxoverlap/dispatch_ops.py`` neither import nor name
+    ``emulated_link`` (the import-linter contract checks the imports on the installed layout,
+    tests/test_layers_rule.py), and importing fxoverlap and its ops loads no emulated link."""
+    for rel in ("fxoverlap/ops.py", "fxoverlap/dispatch_ops.py"):
+        with open(os.path.join(ROOT, rel)) as f:
+            tree = ast.parse(f.read())
+        names = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Name):
+                names.add(n.id)
+            elif isinstance(n, ast.Attribute):
+                names.add(n.attr)
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                names |= {a.name for a in n.names} | {getattr(n, "module", None) or ""}
+        assert not {x for x in names if "emulated" in x}, (rel, sorted(x for x in names if "emulated" in x))
+        assert not {x for x in names if x.startswith("hold")}, rel  # no hold call left in an op
+    code = ("import sys, fxoverlap, fxoverlap.ops, fxoverlap.dispatch_ops; "
+            "print(sorted(m for m in sys.modules if 'emulated' in m))")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_cuda_pieces_import_on_cpu():
@@ -77,17 +146,29 @@ def test_cuda_pieces_import_on_cpu():
 
 
 def _step_counts(mode: str, dispatcher: str, routing: str) -> dict:
+    """The holds of one step of ``mode`` over an injected ``EmulatedGroup``: the model is built on
+    it and ``optimize`` is given it, as a real EP group would be; its link is set after the first
+    (compiling) step."""
     torch.manual_seed(0)
     cfg = MoEConfig.tiny(**CFG, routing="dropless", token_dedup=True) if routing == "dedup" else \
         MoEConfig.tiny(**CFG, routing=routing)
-    model = MoETransformer(cfg)
+    group = el.EmulatedGroup(None)
+    model = MoETransformer(cfg, group)
     mbs = token_batches(cfg.vocab_size, MBS, SHAPE, seed=1, device=torch.device("cpu"))
     if mode == "optimize":
-        engine = fxoverlap.optimize(model, None, config=OverlapConfig(dispatcher=dispatcher))
+        engine = fxoverlap.optimize(model, group, config=OverlapConfig(dispatcher=dispatcher))
         step = lambda: engine.forward_backward(mbs)  # noqa: E731
     else:
-        fn = model if mode == "eager" else torch.compile(
-            model, backend="fxoverlap", options={"dispatcher": dispatcher} if dispatcher != "auto" else None)
+        if mode == "eager":
+            fn = model
+        elif mode == "compile":
+            # torch.compile(model) through Dynamo and AOTAutograd (aot_eager: Inductor calls the comm
+            # ops' bodies the same way, as opaque extern kernels, at many times the CPU compile time)
+            frames = CompileCounterWithBackend("aot_eager")
+            fn = torch.compile(model, backend=frames)
+        else:
+            fn = torch.compile(model, backend="fxoverlap",
+                               options={"dispatcher": dispatcher} if dispatcher != "auto" else None)
 
         def step():
             for mb in mbs:
@@ -96,24 +177,29 @@ def _step_counts(mode: str, dispatcher: str, routing: str) -> dict:
     counter = el.Counter()
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxoverlap.backend.FallbackWarning)
-        with el.using(el.preset("nvlink", ep=2, experts=8)), el.standin(counter):
+        with group.using(el.preset("nvlink", ep=2, experts=8)), el.standin(counter):
             step()
+    if mode == "compile":
+        assert frames.frame_count == 1  # setting the group's link recompiled nothing
     torch._dynamo.reset()
+    assert group.stats.calls == len(counter.calls)
     return counter.by_op()
 
 
 # the generic ops with dropless routing and a static lowering with capacity routing (the other two
-# pairings hold the same ops: kept out of CI for its time)
+# pairings hold the same ops: kept out of CI for its time; test_every_transport_reports_as_the_generic_ops)
 @pytest.mark.parametrize("dispatcher,routing", [("auto", "dropless"), ("padded", "capacity")])
 def test_same_calls_and_bytes_in_every_mode(dispatcher, routing):
     """One step of 2 microbatches of the 2-layer model: per microbatch and layer a forward
-    dispatch and combine and, in the backward, their adjoints (a combine and a dispatch)."""
-    got = {mode: _step_counts(mode, dispatcher, routing) for mode in ("eager", "backend", "optimize")}
+    dispatch and combine and, in the backward, their adjoints (a combine and a dispatch). Eager,
+    torch.compile, the backend and the engine pay the same holds over the same group."""
+    modes = ("eager", "compile", "backend", "optimize") if dispatcher == "auto" else ("eager", "backend", "optimize")
+    got = {mode: _step_counts(mode, dispatcher, routing) for mode in modes}
     rows = SHAPE[0] * SHAPE[1] * CFG["top_k"]  # T x k rows each way (capacity factor 1: the same)
     row = CFG["dim"] * 4  # fp32
     want = {"combine": (2 * 2 * MBS, 2 * 2 * MBS * rows * row), "dispatch": (2 * 2 * MBS, 2 * 2 * MBS * rows * row)}
     assert got["eager"] == want, got
-    assert got["backend"] == got["eager"] and got["optimize"] == got["eager"], got
+    assert all(got[m] == got["eager"] for m in modes), got
 
 
 def test_token_once_ops_hold_too():
@@ -121,6 +207,62 @@ def test_token_once_ops_hold_too():
     assert set(got) == {"token_dispatch", "token_combine", "token_dispatch_backward", "token_combine_backward"}
     assert all(calls == 2 * MBS for calls, _ in got.values()), got
     assert _step_counts("optimize", "auto", "dedup") == got
+
+
+def test_every_transport_reports_as_the_generic_ops():
+    """Each transport's chokepoint (the all_to_all one, chunks included; the token-once one; the
+    static ``padded`` transport through ``static_ep._carry``), op by op over the group's name: the
+    same op names and bytes for the same exchange."""
+    torch.manual_seed(0)
+    ops = torch.ops.fxoverlap
+    group = el.EmulatedGroup(el.preset("nvlink", ep=2, experts=8))
+    name = group.group_name
+    t, d, e, k = 12, 8, 4, 2
+    x, w = torch.randn(t, d), torch.rand(t, k)
+    idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    counts = torch.full((e,), t * k // e, dtype=torch.long)
+    xs = torch.randn(t * k, d)
+
+    def held(fn) -> dict:
+        with el.standin(counter := el.Counter()):
+            fn()
+        return counter.by_op()
+
+    def per_expert(static: bool) -> None:
+        if static:
+            y, recv = ops.dispatch_static(xs, counts, name, None, t * k, "padded", None, 0)
+            ops.combine_static(y, recv, counts, name, t * k, t * k, "padded")
+        else:
+            y, recv = ops.dispatch(xs, counts, name, None, -1)
+            ops.combine(y, recv, counts, name, t * k)
+
+    def chunked() -> None:
+        first = None
+        for c in range(2):
+            y, recv = ops.dispatch_chunk(xs, counts, name, None, -1, c, 2, first)
+            first = recv if first is None else first
+            ops.combine_chunk(y, recv, counts, name, c, 2)
+
+    def token_once(static: bool) -> None:
+        cap = (t, "padded") if static else ()
+        sfx = "_static" if static else ""
+        pairs_x, pairs_w, _, pair_index, slot, recv_rows = getattr(ops, "token_dispatch" + sfx)(
+            x, idx, w, e, name, *cap, *((None, 0) if static else ()))
+        getattr(ops, "token_combine" + sfx)(pairs_x, pair_index, slot, recv_rows, k, name, *cap)
+        getattr(ops, "token_combine_backward" + sfx)(x, pair_index, slot, recv_rows, k, name, *cap)
+        getattr(ops, "token_dispatch_backward" + sfx)(pairs_x, pairs_w, idx, pair_index, slot, recv_rows, e, name,
+                                                       *cap)
+
+    generic = held(lambda: per_expert(False))
+    assert generic == {"combine": (1, t * k * d * 4), "dispatch": (1, t * k * d * 4)}
+    assert held(lambda: per_expert(True)) == generic
+    assert held(chunked) == {"combine": (2, t * k * d * 4), "dispatch": (2, t * k * d * 4)}
+    tokens = held(lambda: token_once(False))
+    rows = t * group.link.token_ranks(k)  # each token once per expected destination rank
+    assert tokens == {"token_combine": (1, round(rows * d * 4)), "token_combine_backward": (1, round(rows * d * 4)),
+                      "token_dispatch": (1, round(rows * (d * 4 + k * 4 + k * 4))),  # + k int32 ids, k weights
+                      "token_dispatch_backward": (1, round(rows * (d * 4 + k * 4)))}, tokens
+    assert held(lambda: token_once(True)) == tokens
 
 
 # ---------------------------------------------------------------- an EP-N rank's model
@@ -223,13 +365,15 @@ def test_sm_carveout_is_set_for_the_experts_stages_and_restored():
     """``OverlapConfig(sm_carveout=N)``: where the exchanges run comm kernels (here the emulated
     link's: one rank), every experts stage call sees torch's SM carveout at N (its grouped GEMMs
     leave N SMs to them), every other stage the caller's setting, which is back after the step,
-    also when a stage fails. One rank without the link runs no comm kernel: no carveout. Bad
-    values are refused with the field's name."""
+    also when a stage fails. One rank without the link runs no comm kernel: no carveout (the
+    group says, at each run). Bad values are refused with the field's name."""
+    from fxoverlap.pipeline import comm_kernels_run
     from fxoverlap.runtime import static_values
 
     torch.manual_seed(0)
-    model = MoETransformer(MoEConfig.tiny(n_layers=2, n_experts=8))
-    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(compiler="eager", sm_carveout=8))
+    group = el.EmulatedGroup(None)
+    model = MoETransformer(MoEConfig.tiny(n_layers=2, n_experts=8), group)
+    engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(compiler="eager", sm_carveout=8))
     mbs = token_batches(64, 2, (2, 8))
     seen = []
 
@@ -243,7 +387,7 @@ def test_sm_carveout_is_set_for_the_experts_stages_and_restored():
     runner.run(static, mbs)  # one rank, no link: nothing beside the experts
     assert seen and {c for _, c in seen} == {before}
     seen.clear()
-    with el.using(el.preset("nvlink", ep=2, experts=8)), el.standin(el.Counter()):
+    with group.using(el.preset("nvlink", ep=2, experts=8)), el.standin(el.Counter()):
         runner.run(static, mbs)
     assert {c for k, c in seen if k == "experts"} == {8}
     assert {c for k, c in seen if k != "experts"} == {before}
@@ -255,13 +399,19 @@ def test_sm_carveout_is_set_for_the_experts_stages_and_restored():
             raise RuntimeError("boom")
         return run()
 
-    with pytest.raises(Exception, match="boom"), el.using(el.preset("nvlink", ep=2, experts=8)):
+    with pytest.raises(Exception, match="boom"), group.using(el.preset("nvlink", ep=2, experts=8)):
         engine.runner(mbs, hook=failing).run(static, mbs)
     assert torch._C._get_sm_carveout_experimental() == before
     for bad in (-1, True, 1.5):
         with pytest.raises(fxoverlap.ConfigError, match="sm_carveout"):
             fxoverlap.OverlapConfig(sm_carveout=bad)
-    # when a comm kernel runs: more than one rank or an unknown group, or the emulated link
-    assert (el.exchange_takes_sms(1), el.exchange_takes_sms(2), el.exchange_takes_sms(None)) == (False, True, True)
-    with el.using(el.preset("nvlink", ep=2)):
-        assert el.exchange_takes_sms(1)
+    # when a comm kernel runs: the exchanges' groups (read by the dispatcher pass) decide at each run;
+    # a graph without fxoverlap's exchanges has a group not known: assumed to run one
+    capture = engine.plan(mbs).capture
+    assert capture.ep_groups == (group.group_name,) and capture.ep_size == 1
+    asks = comm_kernels_run(capture)
+    assert not asks()
+    with group.using(el.preset("nvlink", ep=2)):
+        assert asks()
+    assert comm_kernels_run(dataclasses.replace(capture, ep_groups=None))()
+    assert not comm_kernels_run(dataclasses.replace(capture, ep_groups=("",)))()  # "": no group, one rank

@@ -23,8 +23,10 @@ the default.
 **Emulated EP** (``--emulate-ep N --link {nvlink,p2p_off,ib400,none}`` or ``--link-gbps X
 --link-latency-us Y``, ``--skew S``; one process, no torchrun needed): the model is one
 EP-N rank's (E/N experts, same top-k, or routing over E folded onto them,
-``MoEConfig.expert_fold``) and every fxoverlap dispatch/combine holds its stream as the
-link would (:mod:`fxoverlap.kernels.emulated_link`). Each mode is then timed without the
+``MoEConfig.expert_fold``), built and optimized on an ``EmulatedGroup`` (a one-rank process
+group stand-in, injected as the EP group would be), over which every fxoverlap dispatch/combine
+holds its stream as the link would (:mod:`fxoverlap.kernels.emulated_link`), in every mode
+(eager and ``torch.compile`` included). Each mode is then timed without the
 link (``T_compute_ms``) and with it (``T_step_ms``, and ``T_comm_ms``: the holds asked for
 per step); ``hidden_share`` = (T_compute + T_comm - T_step) / min(T_compute, T_comm). Every
 such figure is marked emulated in the JSON and the printed table.

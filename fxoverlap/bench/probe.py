@@ -11,7 +11,6 @@ import torch
 
 from fxoverlap.bench.metrics import ProgramCall
 from fxoverlap.ir.errors import FxOverlapError
-from fxoverlap.kernels import emulated_link
 
 
 class ProbeError(FxOverlapError, RuntimeError):
@@ -37,26 +36,27 @@ class _Clock:
 
 class StageTimer:
     """Runs each stage alone (synchronised before and after) and records its time in ms
-    under its program node name: for T_serial / T_bound. With an emulated link set, also
-    what the link held each call for (``holds``, ms; calls that held nothing are left out)."""
+    under its program node name: for T_serial / T_bound. With the ``stats`` of an emulated
+    group (``EmulatedGroup.stats``), also what its link held each call for (``holds``, ms;
+    calls that held nothing are left out)."""
 
-    def __init__(self, cuda: bool, device: torch.device):
-        self.clock, self.device = _Clock(cuda), device
+    def __init__(self, cuda: bool, device: torch.device, stats: Any = None):
+        self.clock, self.device, self.stats = _Clock(cuda), device, stats
         self.times: dict[str, float] = {}
         self.holds: dict[str, float] = {}
 
     def __call__(self, node, stage, run):
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
-        held = emulated_link.stats.seconds
+        held = 0.0 if self.stats is None else self.stats.seconds
         start = self.clock.mark()
         outs = run()
         end = self.clock.mark()
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
         self.times[node.name] = self.clock.ms(start, end)
-        if emulated_link.stats.seconds > held:
-            self.holds[node.name] = (emulated_link.stats.seconds - held) * 1e3
+        if self.stats is not None and self.stats.seconds > held:
+            self.holds[node.name] = (self.stats.seconds - held) * 1e3
         return outs
 
 

@@ -51,19 +51,24 @@ class Bench:
         self.cfg = model_config(args)
         self.ep = args.emulate_ep or self.world  # the EP size whose rank this process runs
         self.link: emulated_link.Link | None = None
+        # The model's EP group: the process group, or with --emulate-ep the emulated one, injected as a
+        # real group would be (the model's layers, optimize); its link is off until run() sets it.
+        self.emulated: emulated_link.EmulatedGroup | None = None
+        self.ep_group: dist.ProcessGroup = group
         if args.emulate_ep:
             if self.world != 1:
                 raise ConfigError(f"--emulate-ep runs one rank of EP-{args.emulate_ep} in one process; "
                                  f"got {self.world} processes")
             if args.emulated_link is not None:
                 self.link = args.emulated_link.replace(experts=self.cfg.n_experts * args.emulate_ep)
+            self.ep_group = self.emulated = emulated_link.EmulatedGroup(None)
         torch.manual_seed(args.seed + self.rank)
         with torch.device(device):
-            self.model = MoETransformer(self.cfg, group)
+            self.model = MoETransformer(self.cfg, self.ep_group)
         self.model.to(self.dtype)
         self.mbs = token_batches(self.cfg.vocab_size, args.microbatches, (args.micro_batch_size, args.seq),
                                  seed=args.seed + 1000 * self.rank, device=device)
-        self.engine = fxoverlap.optimize(self.model, group, config=args.overlap)
+        self.engine = fxoverlap.optimize(self.model, self.ep_group, config=args.overlap)
         self._compiled = self._backend = None
         self.tokens_per_step = self.world * args.microbatches * args.micro_batch_size * args.seq
         self.result: dict[str, Any] = {}
@@ -149,11 +154,11 @@ class Bench:
         """The mode's step time; with an emulated link, twice: without the link (T_compute),
         then with it (T_step, and T_comm: the holds the link asked for per step)."""
         if self.link is None:
-            with emulated_link.using(None):
-                return self._time_mode(mode, step, self.args.warmup)
-        with emulated_link.using(None):
+            return self._time_mode(mode, step, self.args.warmup)
+        assert self.emulated is not None  # a link comes with --emulate-ep
+        with self.emulated.using(None):
             compute = self._time_mode(mode + " (no link)", step, self.args.warmup)
-        with emulated_link.using(self.link):
+        with self.emulated.using(self.link):
             res = self._time_mode(mode + f" ({self.link.name})", step, min(self.args.warmup, 1), link_stats=True)
         t_step, t_comp, t_comm = res["step_ms"], compute["step_ms"], res["link"]["ms"]
         res.update({
@@ -185,7 +190,8 @@ class Bench:
             torch.cuda.reset_peak_memory_stats(self.device)
         times, wall = [], []
         losses: list[torch.Tensor] = []
-        emulated_link.stats.reset()
+        if self.emulated is not None:
+            self.emulated.stats.reset()
         for i in range(a.iters):
             self.zero_grads()
             dist.barrier(group=self.group)
@@ -205,8 +211,8 @@ class Bench:
             times.append(ms)
             self.log(f"{mode} iter {i + 1}/{a.iters} {ms:.1f} ms")
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
-        if link_stats:  # what the link was asked to hold, per step
-            st = emulated_link.stats.as_dict()
+        if link_stats and self.emulated is not None:  # what the link was asked to hold, per step
+            st = self.emulated.stats.as_dict()
             res["link"] = {"emulated": True, "calls": st["calls"] / a.iters, "bytes": st["bytes"] / a.iters,
                            "ms": st["ms"] / a.iters,
                            "by_op": {k: {f: v[f] / a.iters for f in v} for k, v in st["by_op"].items()}}
@@ -257,7 +263,7 @@ class Bench:
         for r in range(-1, self.args.stage_reps):
             self.zero_grads()
             dist.barrier(group=self.group)
-            timer = StageTimer(self.cuda, self.device)
+            timer = StageTimer(self.cuda, self.device, None if self.emulated is None else self.emulated.stats)
             self.run_program(plan, timer)
             self.sync()
             label = "warm-up" if r < 0 else f"{r + 1}/{self.args.stage_reps}"
@@ -330,7 +336,8 @@ class Bench:
                         "bytes x (N-1)/N x skew / bandwidth (fxoverlap/kernels/emulated_link.py)",
             }
             # the stage timing and the probed steps run with the link
-            emulated_link.set_link(self.link)
+            if self.emulated is not None:
+                self.emulated.link = self.link
         r["modes"] = {}
         self.log(f"{self.world} ranks on {self.device.type}, {r['run']['dtype']}, "
                  f"{self.tokens_per_step} tokens/step; modes {','.join(a.modes)}")

@@ -200,8 +200,10 @@ class Capture:
     # lower), and the overflow flags of a capacity below the worst case (None: nothing can overflow)
     dispatcher: str | None = None
     overflow: OverflowFlags | None = None
-    # the EP group size of fxoverlap's exchanges (the dispatcher pass); None: unknown (none of them)
+    # the EP group size of fxoverlap's exchanges and the names of their groups (the dispatcher pass);
+    # None: unknown (none of them)
     ep_size: int | None = None
+    ep_groups: tuple[str, ...] | None = None
     output_aliases: dict[int, OutputAlias] = dataclasses.field(default_factory=dict)
 
     @property
