@@ -175,6 +175,8 @@ def rank_worker(rank: int, world: int, family: str, backend: bool) -> dict:
     import torch.distributed as dist
 
     import fxoverlap
+
+    fxoverlap.enable_dynamic_output_shapes()  # the backend's documented setup
     import hf_cases
 
     group = dist.group.WORLD

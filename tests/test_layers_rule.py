@@ -54,7 +54,7 @@ def test_graph_sees_passes_and_kernels(tmp_path):
 def test_import_rule_holds(tmp_path):
     out = _lint(_installed_layout(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "4 kept, 0 broken" in out.stdout, out.stdout
+    assert "5 kept, 0 broken" in out.stdout, out.stdout
 
 
 def test_planted_violation_fails(tmp_path):
@@ -64,3 +64,14 @@ def test_planted_violation_fails(tmp_path):
     out = _lint(tmp)
     assert out.returncode != 0
     assert "BROKEN" in out.stdout and "fxoverlap.ir.stage -> fxoverlap.passes" in out.stdout, out.stdout
+
+
+def test_fronts_independence_contract_catches_a_pipeline_import_of_the_backend(tmp_path):
+    """The front ends are independent adapters: pipeline_parallel importing fxoverlap.backend
+    (say, for a helper of the backend's) fails the lint."""
+    tmp = _installed_layout(tmp_path)
+    pp = tmp / "fxoverlap" / "pipeline_parallel.py"
+    pp.write_text(pp.read_text() + "\nfrom fxoverlap.backend import fxoverlap_backend  # planted\n")
+    out = _lint(tmp)
+    assert out.returncode != 0
+    assert "BROKEN" in out.stdout and "fxoverlap.pipeline_parallel -> fxoverlap.backend" in out.stdout, out.stdout
