@@ -1,5 +1,6 @@
 """fxoverlap: FX graph passes that overlap expert-parallel all-to-all with compute."""
 
+from fxoverlap.backend import enable_dynamic_output_shapes
 from fxoverlap.config import ConfigError, OverlapConfig, UnknownConfigField
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.dispatch_ops import DispatchOverflow
@@ -12,7 +13,7 @@ from fxoverlap.pipeline_parallel import pipeline_schedule
 from fxoverlap.runtime import StageFailed
 from fxoverlap.ir.stage import Direction, Stage, StageKind, StreamKind
 
-__all__ = ["ConfigError", "DispatchOverflow", "FxOverlapError", "Engine", "EPGroupError", "InputError", "MicrobatchMismatch", "optimize", "pipeline_schedule", "expert_parallel", "OverlapConfig", "ProgramKey", "region", "RepeatedRecompileWarning", "StageFailed", "UnknownConfigField", "UnsupportedModelState", "Direction", "Stage", "StageKind", "StreamKind"]
+__all__ = ["ConfigError", "DispatchOverflow", "FxOverlapError", "Engine", "EPGroupError", "enable_dynamic_output_shapes", "InputError", "MicrobatchMismatch", "optimize", "pipeline_schedule", "expert_parallel", "OverlapConfig", "ProgramKey", "region", "RepeatedRecompileWarning", "StageFailed", "UnknownConfigField", "UnsupportedModelState", "Direction", "Stage", "StageKind", "StreamKind"]
 __version__ = "0.1.0"
-
-from fxoverlap import backend  # noqa: E402,F401  (registers torch.compile backend "fxoverlap")
+# The torch.compile backend is found through the torch_dynamo_backends entry point (setup.cfg):
+# importing fxoverlap registers nothing and changes no Dynamo setting.

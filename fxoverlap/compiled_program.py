@@ -29,12 +29,14 @@ from fxoverlap.runtime import GradSink, ProgramRunner, RunState, StageHook
 
 @dataclasses.dataclass(frozen=True)
 class ProgramSpec:
-    """What one program of a capture does: how many microbatches, forward only or not, and
-    whether it reduces gradients over data parallelism."""
+    """What one program of a capture does: how many microbatches, forward only or not,
+    whether it reduces gradients over data parallelism, and (one microbatch: the backend's
+    pipeline stages) whether its backward computes the ``delay_wgrad`` weight gradients last."""
 
     microbatches: int
     forward_only: bool = False
     reduce_grads: bool = False
+    weight_last: bool = False
 
 
 @dataclasses.dataclass
@@ -67,7 +69,7 @@ def compile_program(capture: Capture, stages: list[Stage], config: OverlapConfig
     the program places (``spec.reduce_grads``); ``hook`` wraps every stage call (the benchmark's
     timing)."""
     program = build_program(stages, capture, spec.microbatches, config, forward_only=spec.forward_only,
-                            reduce_grads=spec.reduce_grads)
+                            reduce_grads=spec.reduce_grads, weight_last=spec.weight_last)
     runner = make_runner(program, stages, capture, device, config,
                          cuda_graphs=None if graphs is None else graphs.get(program, stages, capture, device),
                          reducer=None if reducer is None else reducer(program), hook=hook)

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxoverlap.config import OverlapConfig
+from fxoverlap.config import PIPELINE, OverlapConfig, refused_fields
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.stage import Stage
 
@@ -171,7 +171,7 @@ class _StageCompiler:
         self.stage = stage
         self.config = config
         self.registry = registry
-        self.steps: list = []  # backend.CompiledStep, one per Dynamo graph of the stage module
+        self.steps: list = []  # backend_autograd.CompiledStep, one per Dynamo graph of the stage module
         # (dp_group) for each of steps: its graph inputs that are parameters of the stage module
         # (Dynamo passes the parameter objects), by input index; whose roles the reduction reads
         self.graph_params: list[dict[int, nn.Parameter]] = []
@@ -190,12 +190,18 @@ class _StageCompiler:
         # BACKWARD_INPUT can leave them to BACKWARD_WEIGHT; the calls of the BACKWARD_INPUT
         # running now whose weight part its dw_builder closure takes
         self.weight_last = False
-        self.deferred: list = []  # backend._Run
+        self.deferred: list = []  # backend_autograd.StepRun
+        # merged steps (OVERLAP_F_B): the backward another call of this rank runs in turns with
+        # the next forward of this stage's compiled steps
+        from fxoverlap.backend_autograd import Turns
+
+        self.turns = Turns()
         self.module = stage.submod
         self.compiled = torch.compile(stage.submod, backend=self._backend, dynamic=False, fullgraph=False)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
-        from fxoverlap import backend as fxb
+        from fxoverlap.backend_autograd import compile_step
+        from fxoverlap.backend_fallback import FALLBACK_ERRORS, BackendUnsupported, has_all_to_all
 
         where = f"pipeline stage {self.stage.stage_index} ({type(self.module).__name__})"
         if not torch.is_grad_enabled():  # eval(): nothing to overlap with
@@ -205,11 +211,11 @@ class _StageCompiler:
             params = {i: t for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter) and id(t) in own}
         example_inputs, unwrapped = _unwrap_dtensor_inputs(gm, list(example_inputs), where)
         try:
-            step = fxb.compile_step(gm, example_inputs, self.config, weight_last=self.weight_last)
-        except (fxb._Unsupported, *fxb.FALLBACK_ERRORS) as e:
+            step = compile_step(gm, example_inputs, self.config, weight_last=self.weight_last, turns=self.turns)
+        except (BackendUnsupported, *FALLBACK_ERRORS) as e:
             # no silent fallback: the user asked for fxoverlap on this stage
             raise PipelineError(f"fxoverlap cannot compile {where}: {type(e).__name__}: {e}") from e
-        if step.capture.num_layers == 0 and fxb._has_all_to_all(gm):
+        if step.capture.num_layers == 0 and has_all_to_all(gm):
             raise StageLayersNotFound(
                 f"{where}: the stage module runs all-to-alls but fxoverlap found no decoder-layer list "
                 f"holding them; a stage module's decoder layers must be the entries of one nn.ModuleList or "
@@ -231,7 +237,7 @@ class _StageCompiler:
         roles: dict[int, set[str]] = {}
         for step, params in zip(self.steps, self.graph_params):
             for name, role in parameter_roles(step.capture).items():
-                p = params.get(step._index_of.get(name, -1))
+                p = params.get(step.index_of.get(name, -1))
                 if p is not None:
                     roles.setdefault(id(p), set()).add(role)
         return {i for i, r in roles.items() if r == {"expert"}}
@@ -280,7 +286,7 @@ class _StageCompiler:
         # the graph as unbacked sizes, so the stage is one graph with whole layers; a break
         # there would leave pieces of layers, which the stage compile refuses
         try:
-            with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
                 if isinstance(sub, nn.parallel.DistributedDataParallel):
                     with sub.no_sync():
                         return self.compiled(*args, **kwargs)
@@ -551,9 +557,9 @@ def _no_hooks(t: torch.Tensor) -> bool:
 
 
 def _calls_of(outputs: Sequence) -> list:
-    """The fxoverlap calls (``backend._Run``) whose outputs ``outputs`` depend on, walking
+    """The fxoverlap calls (``backend_autograd.StepRun``) whose outputs ``outputs`` depend on, walking
     their autograd graph (a stage with graph breaks has several)."""
-    from fxoverlap import backend as fxb
+    from fxoverlap.backend_autograd import StepRun
 
     todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen, runs = set(), {}
@@ -563,7 +569,7 @@ def _calls_of(outputs: Sequence) -> list:
             continue
         seen.add(id(fn))
         run = getattr(fn, "run", None)
-        if isinstance(run, fxb._Run):
+        if isinstance(run, StepRun):
             runs[id(run)] = run
         todo.extend(nf for nf, _ in fn.next_functions)
     return list(runs.values())
@@ -571,7 +577,7 @@ def _calls_of(outputs: Sequence) -> list:
 
 def _deferrable_runs(stage, mb: int) -> list:
     """The calls of microbatch ``mb``'s forward whose weight gradients its ``BACKWARD_INPUT``
-    leaves to its ``BACKWARD_WEIGHT``, each marked so (``_Run.defer_weights``): every call,
+    leaves to its ``BACKWARD_WEIGHT``, each marked so (``StepRun.defer_weights``): every call,
     when each has a weight-gradient part and gradients that only fxoverlap accumulates (no
     DDP/FSDP module, no gradient hooks, no DTensor local shards: autograd must run those);
     else none (``BACKWARD_INPUT`` then runs the whole backward)."""
@@ -621,7 +627,7 @@ def _merged_backward(schedule, stages, sub):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining.schedules import BACKWARD_INPUT
 
-    from fxoverlap import backend as fxb
+    from fxoverlap.backend_autograd import StepRun
 
     mb, idx = sub.microbatch_index, sub.stage_index
     stage = stages[idx]
@@ -635,7 +641,7 @@ def _merged_backward(schedule, stages, sub):
         return None
     node = outs[0].grad_fn
     run = getattr(node, "run", None)
-    if not isinstance(run, fxb._Run) or run.state is None or any(t.grad_fn is not node for t in outs):
+    if not isinstance(run, StepRun) or run.state is None or any(t.grad_fn is not node for t in outs):
         return None
     step = run.step
     # (a graph break shows here: the last piece's inputs include an activation that is no leaf)
@@ -645,7 +651,7 @@ def _merged_backward(schedule, stages, sub):
     leaves = [getattr(t, "_fxoverlap_dtensor", t) for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
     if any(not t.is_leaf or not _no_hooks(t) for t in leaves):
         return None
-    if any(i not in {t.output_nr for t in outs} for i in step._tangent_pos):
+    if any(i not in {t.output_nr for t in outs} for i in step.tangent_pos):
         return None
     if stage.is_last:
         loss = schedule._maybe_get_loss(stage, mb)
@@ -703,8 +709,6 @@ def _overlap_f_b(schedule, action, ctx) -> None:
     of autograd (:func:`_merged_backward`), F then B."""
     from torch.distributed.pipelining.schedules import BACKWARD_INPUT, FORWARD, FULL_BACKWARD
 
-    from fxoverlap import backend as fxb
-
     schedule.fxoverlap_overlap_steps += 1
     if action.sub_actions is None:
         raise PipelineError(f"OVERLAP_F_B action {action} carries no sub_actions")
@@ -724,8 +728,8 @@ def _overlap_f_b(schedule, action, ctx) -> None:
             gen, finish = merged
             _wait_works(f_recv, "fwd_recv")  # F's first chunk runs first
             # F's output is sent as soon as F has returned, before the rest of B runs
-            fxb.run_in_turns(_after_wait(b_recv, gen), lambda: _forward(schedule, stages, f, ctx),
-                             after_forward=lambda: sends.done(f))
+            stages[f.stage_index]._fxoverlap.turns.run(_after_wait(b_recv, gen), lambda: _forward(schedule, stages, f, ctx),
+                                                       after_forward=lambda: sends.done(f))
             finish()
             sends.done(b)
             schedule.fxoverlap_merged_steps += 1
@@ -827,16 +831,11 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
             raise PipelineInputError(f"{name} must be a torch.distributed ProcessGroup or None, got "
                                      f"{type(group).__name__}")
     config = config or OverlapConfig()
-    from fxoverlap.backend import UNSUPPORTED_FIELDS
-
     # with dp_group, the reduction's bucket size is honoured (its mode is all_reduce: checked below)
     honoured = {"grad_reduce", "reduce_bucket_mb"} if dp_group is not None else set()
-    fields = {f: getattr(OverlapConfig(), f) for f in UNSUPPORTED_FIELDS}
-    if refused := [f for f in UNSUPPORTED_FIELDS if f not in honoured and getattr(config, f) != fields[f]]:
-        raise PipelineError(f"pipeline_schedule cannot honour OverlapConfig fields {refused}: "
-                            + "; ".join(UNSUPPORTED_FIELDS[f] for f in refused)
-                            + (" (pipeline_schedule(..., dp_group=...) reduces them)" if
-                               {"grad_reduce", "reduce_bucket_mb"} & set(refused) else ""))
+    if refused := refused_fields(config, PIPELINE, honoured):
+        raise PipelineError(f"pipeline_schedule cannot honour OverlapConfig fields {list(refused)}: "
+                            + "; ".join(refused.values()))
     multi = _is_multi_stage(schedule_cls)
     local = list(stages) if isinstance(stages, (list, tuple)) else [stages]
     if not multi and isinstance(stages, (list, tuple)):

@@ -76,7 +76,7 @@ import torch.nn as nn
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.capture import Capture, Choice, OutputAlias, SubclassLayout, inner_value, split_inputs
 from fxoverlap.ir.meta import CHECKPOINT_KEY, LIST_KEY
-from fxoverlap.passes.layers import choose_container, resolve
+from fxoverlap.passes.layers import LayerCandidate, choose_container, layer_facts, resolve
 
 
 class CaptureError(FxOverlapError, RuntimeError):
@@ -426,7 +426,7 @@ def capture(
     layer_container: str | None = None,
     train: bool = True,
     scalar_loss: bool = True,
-    lists: Mapping[str, int] | None = None,
+    lists: Mapping[str, LayerCandidate] | None = None,
     explain: Callable[[nn.Module, BaseException], str | None] | None = None,
 ) -> Capture:
     """Trace one train step of ``model`` on inputs shaped like ``inputs``; no data is used.
@@ -434,9 +434,10 @@ def capture(
     ``train=False`` traces the forward alone (no loss, no backward): the graph
     returns the model's output and the capture has no tangents or gradients.
     ``scalar_loss=False`` accepts any tensor outputs (each differentiable one gets a
-    tangent placeholder) instead of requiring one scalar loss. ``lists`` (path -> entry
-    count): the candidate layer lists the caller has already annotated on the nodes it
-    traces (``layers.LIST_KEY``), instead of this pass's hooks on the model's lists.
+    tangent placeholder) instead of requiring one scalar loss. ``lists`` (path ->
+    :class:`~fxoverlap.passes.layers.LayerCandidate`): the candidate layer lists the caller
+    has already annotated on the nodes it traces (``layers.LIST_KEY``), instead of this
+    pass's hooks on the model's lists; the chosen one's entries and children come from it.
     ``explain(model, exc)``: a message for a tracing failure the caller knows how to explain
     (``optimize`` passes ``expert_parallel.explain_capture_error``), raised as ``CaptureError``.
     """
@@ -491,7 +492,9 @@ def capture(
     if choice.container in candidates:
         _check_layers_run_once(model, choice.container, candidates[choice.container], runs.get(choice.container, {}))
     resolve(gm, choice.container)
-    num_layers = 0 if choice.container is None else sizes[choice.container]
+    num_layers, layer_names, chosen_children = layer_facts(
+        choice.container, None if choice.container is None else sizes[choice.container],
+        param_children.get(choice.container))
     _distinct_sink_values(gm)
     gm.recompile()
     roles = _roles(gm, train, _grad_layouts(joint))
@@ -505,8 +508,8 @@ def capture(
         fake_mode=traced,
         **roles,
         num_layers=num_layers,
-        layer_names=[f"{choice.container}.{i}" for i in range(num_layers)],
-        param_children=param_children.get(choice.container, {}) if choice.container is not None else {},
+        layer_names=layer_names,
+        param_children=chosen_children,
         signature=input_signature(inputs),
         layer_choice=choice,
     )

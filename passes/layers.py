@@ -18,7 +18,14 @@ tag pass raises a ``TagError`` naming ``layer_container=`` and every candidate c
 :func:`resolve` then rewrites the annotations of the chosen list into ``{LAYER_KEY: i,
 CHILD_KEY: child}`` and drops the rest, so later passes see exactly one layer list.
 
-Entry points: ``choose_container(gm, sizes) -> Choice``, ``resolve(gm, container)``.
+A front end that traced the layers itself (the torch.compile backend, from Dynamo's
+``nn_module_stack``) hands the capture pass a :class:`LayerCandidate` per list: its entries'
+names in execution order, the children of each that read a parameter, and whether the entries
+ran one after another. The capture pass takes the chosen list's facts from it
+(:func:`layer_facts`), so the layer facts of a capture come from here alone, for both front ends.
+
+Entry points: ``choose_container(gm, sizes) -> Choice``, ``resolve(gm, container)``,
+``layer_facts(container, candidate) -> (layer names, param_children)``.
 """
 
 from __future__ import annotations
@@ -30,7 +37,45 @@ import torch
 import torch.fx
 
 from fxoverlap.ir.capture import Choice
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import CHILD_KEY, LAYER_KEY, LIST_KEY
+
+
+class LayersOutOfOrder(FxOverlapError):
+    """The entries of the chosen layer list do not run one after another."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCandidate:
+    """A candidate layer list as a front end traced it: ``names``, its entries (child names of
+    the list) in execution order; ``param_children[i]``, the children of entry ``i`` that read a
+    parameter; ``in_order``, whether each entry's nodes ran before the next entry's."""
+
+    names: tuple[str, ...]
+    param_children: Mapping[int, frozenset[str]] = dataclasses.field(default_factory=dict)
+    in_order: bool = True
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def layer_facts(container: str | None, candidate: int | LayerCandidate | None,
+                param_children: Mapping[int, set[str]] | None = None) -> tuple[int, list[str], dict[int, set[str]]]:
+    """``(num_layers, layer_names, param_children)`` of the chosen list ``container``: from the
+    front end's :class:`LayerCandidate`, or, for an entry count (``fxoverlap.optimize``: the capture
+    pass's hooks), entries ``container.0 ...`` with the hooks' ``param_children``. Raises
+    :class:`LayersOutOfOrder` when the candidate's entries did not run one after another."""
+    if container is None or candidate is None:
+        return 0, [], {}
+    if isinstance(candidate, LayerCandidate):
+        if not candidate.in_order:
+            raise LayersOutOfOrder(
+                f"the layers of {container} do not run one after another (a layer is called twice or "
+                f"interleaved with another); fxoverlap schedules each layer once per step")
+        return (len(candidate.names), [f"{container}.{n}" for n in candidate.names],
+                {i: set(kids) for i, kids in candidate.param_children.items()})
+    return candidate, [f"{container}.{i}" for i in range(candidate)], dict(param_children or {})
+
 
 def lists_of(node: torch.fx.Node) -> Mapping[str, tuple[int, str | None]]:
     """The candidate lists ``node`` ran inside, each with its entry and child."""
@@ -43,6 +88,7 @@ def _inside(inner: str, outer: str) -> bool:
 
 def choose_container(gm: torch.fx.GraphModule, sizes: Mapping[str, int]) -> Choice:
     """The decoder-layer list among the candidates ``sizes`` (path -> entry count)."""
+    sizes = {c: len(v) if isinstance(v, LayerCandidate) else v for c, v in sizes.items()}
     from fxoverlap.passes.tag import _direction, _is_comm  # tag imports capture, which imports this
     from fxoverlap.ir.stage import Direction
 

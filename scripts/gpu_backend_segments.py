@@ -9,6 +9,7 @@ import torch, torch.distributed as dist
 import fxoverlap
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import token_batches
+fxoverlap.enable_dynamic_output_shapes()  # the backend's documented setup: dropless dispatch in the graph
 
 torch.cuda.set_device(0)
 dev = torch.device("cuda", 0)

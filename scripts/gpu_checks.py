@@ -51,6 +51,7 @@ import fxoverlap
 from fxoverlap.bench import routing_fields
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import eager_steps, rel_l2, take_grads, token_batches
+fxoverlap.enable_dynamic_output_shapes()  # the backend's documented setup: dropless dispatch in the graph
 
 
 def _batches(cfg, n, mbs, seq, device, seed=0):

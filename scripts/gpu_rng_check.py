@@ -23,6 +23,7 @@ from fxoverlap.models import MoEConfig  # noqa: E402
 from fxoverlap.pipeline import run_plain  # noqa: E402
 from fxoverlap.testing import take_grads, token_batches  # noqa: E402
 from rng_models import RandomTransformer  # noqa: E402
+fxoverlap.enable_dynamic_output_shapes()  # the backend's documented setup: dropless dispatch in the graph
 
 CFG = MoEConfig.tiny(n_layers=2, dim=64, n_heads=4, n_experts=8, expert_dim=32, vocab_size=128)
 

@@ -187,6 +187,8 @@ def rank_worker(rank: int, world: int, family: str, modes: list[str]) -> dict:
     import torch.distributed as dist
 
     import fxoverlap
+
+    fxoverlap.enable_dynamic_output_shapes()  # the backend's documented setup
     import hf_cases
 
     group = dist.group.WORLD

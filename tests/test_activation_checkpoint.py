@@ -38,6 +38,9 @@ from fxoverlap.pipeline import build_program, build_stages
 from fxoverlap.testing import grad_diff, run_distributed
 from snapshot_utils import requires_pinned_torch
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 _TWO: list = []
 
 

@@ -18,11 +18,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fxoverlap
 import fxoverlap.backend as fxb
 from fxoverlap.models.moe import Block, MoEConfig, MoETransformer
 from fxoverlap.ir.program import record_event, stage_calls, wait_event
 from fxoverlap.ir.stage import Direction, StageKind, StreamKind
 from fxoverlap.testing import grad_diff, run_distributed, token_batches
+
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
 
 TOL = 1e-6
 
@@ -38,7 +42,9 @@ def _compare(make_model, vocab: int, rank: int, steps: int = 2, backend="fxoverl
     torch.manual_seed(0)  # a process group cannot be deep-copied: build the twin from the same seed
     model = make_model().to(device)
     torch._dynamo.reset()
-    fxb.reset()
+    # the instance that records the step: a Backend passed in, else the entry point's
+    recorder = backend if isinstance(backend, fxb.Backend) else fxb.fxoverlap_backend
+    recorder.reset()
     compiled = torch.compile(model, backend=backend)
     out = {"losses": [], "grads": [], "fallbacks": []}
     for step in range(steps):
@@ -53,7 +59,7 @@ def _compare(make_model, vocab: int, rank: int, steps: int = 2, backend="fxoverl
         out["losses"].append((loss.item(), ref.item(), torch.equal(loss.detach(), ref.detach())))
         worst, scale, bitwise = grad_diff(model, {n: p.grad for n, p in eager.named_parameters()})
         out["grads"].append((worst, scale, bitwise))
-    step_obj = fxb.last_compiled()
+    step_obj = recorder.last
     comm_stream = None if step_obj is None else step_obj.runner.streams.get(StreamKind.COMM)
     out["separate_comm_stream"] = comm_stream is not None and comm_stream != torch.cuda.current_stream()
     out["stages"] = [(s.name, s.kind, s.direction, s.stream) for s in (step_obj.stages if step_obj else [])]
@@ -93,12 +99,9 @@ def _ddp_case(rank: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
-    saved, fxb.SEGMENT_MIN_GRAD_BYTES = fxb.SEGMENT_MIN_GRAD_BYTES, 0  # a segment per hand-out
-    try:
-        res = _compare(lambda: DDP(MoETransformer(cfg, None)), cfg.vocab_size, rank)
-    finally:
-        fxb.SEGMENT_MIN_GRAD_BYTES = saved
-    res["segments"] = len(fxb.last_compiled()._segments)
+    backend = fxb.Backend(segment_min_grad_bytes=0)  # a segment per hand-out
+    res = _compare(lambda: DDP(MoETransformer(cfg, None)), cfg.vocab_size, rank, backend=backend)
+    res["segments"] = len(backend.last._segments)
     return res
 
 
@@ -282,7 +285,7 @@ def test_gradients_accumulate_as_the_backward_goes(monkeypatch):
     in segments), so ``p.grad`` fills during the backward as in eager, not all at once
     at its end (AOTAutograd's way, which holds a whole set of new gradients beside the
     accumulated ones); gradients stay bitwise over accumulating steps, hooks fire once each."""
-    monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", 0)  # a segment per hand-out: the tiny model's are small
+    monkeypatch.setattr(fxb.fxoverlap_backend, "segment_min_grad_bytes", 0)  # a segment per hand-out: the tiny model's are small
     cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
     res = _compare(_moe(cfg, None), cfg.vocab_size, rank=0)
     _check("segments", res, bitwise=True)
@@ -317,7 +320,7 @@ def test_segments_are_merged_to_a_minimum_of_gradient_bytes():
 def test_autograd_grad_through_segments(monkeypatch):
     """``torch.autograd.grad`` gets eager's gradients and leaves ``.grad`` alone; asking for
     one late gradient runs only the segments it needs, and the next step still works."""
-    monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", 0)
+    monkeypatch.setattr(fxb.fxoverlap_backend, "segment_min_grad_bytes", 0)
     cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
     torch.manual_seed(0)
     eager = MoETransformer(cfg, None)
@@ -362,6 +365,81 @@ def test_backend_is_registered():
     from torch._dynamo.backends.registry import lookup_backend
 
     assert lookup_backend("fxoverlap") is fxb.fxoverlap_backend
+
+
+_IMPORT_LEAVES_DYNAMO_ALONE = """
+import sys, torch, torch._dynamo.config as dcfg
+from torch._dynamo.backends.registry import _COMPILER_FNS
+before = dcfg.get_config_copy()
+import fxoverlap, fxoverlap.backend, fxoverlap.pipeline_parallel
+changed = sorted(k for k, v in dcfg.get_config_copy().items() if before[k] != v or not dcfg._is_default(k))
+assert not changed, f"import fxoverlap changed Dynamo's config: {changed}"
+assert "fxoverlap" not in _COMPILER_FNS, "import fxoverlap registered the backend"
+from fxoverlap.models.moe import MoEConfig, MoETransformer
+from fxoverlap.testing import token_batches
+torch.manual_seed(0)
+cfg = MoEConfig.tiny(n_layers=2, routing="capacity")
+model = MoETransformer(cfg, None)
+tokens, labels = token_batches(cfg.vocab_size, 1, seed=0)[0]
+ref = model(tokens, labels)
+loss = torch.compile(model, backend="fxoverlap")(tokens, labels)
+step = fxoverlap.backend.last_compiled()
+assert step is not None and len(step.stages) > 4, step  # compiled, not a fallback
+assert torch.equal(loss, ref), (loss, ref)
+assert _COMPILER_FNS["fxoverlap"] is fxoverlap.backend.fxoverlap_backend  # loaded from the entry point
+print("ok")
+"""
+
+
+def test_import_leaves_dynamo_alone_and_the_entry_point_compiles():
+    """After ``import fxoverlap`` Dynamo's config is at its defaults and nothing is registered;
+    ``torch.compile(model, backend="fxoverlap")`` still finds the backend through the
+    ``torch_dynamo_backends`` entry point (a fresh process: this one's config is patched)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", _IMPORT_LEAVES_DYNAMO_ALONE], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_enable_dynamic_output_shapes_keeps_a_value_the_user_set():
+    import torch._dynamo.config as dcfg
+
+    with dcfg.patch(capture_dynamic_output_shape_ops=False):
+        fxoverlap.enable_dynamic_output_shapes()  # set (to its default value) by the user: left alone
+        assert dcfg.capture_dynamic_output_shape_ops is False
+
+
+_CONSTANT_CALLS = {"frozenset", "tuple", "MappingProxyType", "getLogger", "Backend", "TypeVar", "compile"}
+
+
+def test_backend_module_has_no_global_and_no_mutable_module_state():
+    """backend.py: no ``global`` statement anywhere, and nothing mutable assigned at module level
+    (a dict, list or set display, comprehension or constructor call); the backend instance's
+    own state is per instance."""
+    import ast
+
+    path = os.path.join(os.path.dirname(os.path.abspath(fxb.__file__)), "backend.py")
+    tree = ast.parse(open(path).read())
+    assert not [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Global, ast.Nonlocal))]
+    mutable = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+    bad = []
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+            value = node.value
+            if isinstance(value, mutable):
+                bad.append(node.lineno)
+            elif isinstance(value, ast.Call):
+                name = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+                if name not in _CONSTANT_CALLS:
+                    bad.append(node.lineno)
+        elif isinstance(node, ast.AugAssign):
+            bad.append(node.lineno)
+    assert not bad, f"backend.py: module-level mutable state at lines {bad}"
+    assert len(open(path).read().splitlines()) <= 350
 
 
 class _NamedLayers(torch.nn.Module):
@@ -455,7 +533,7 @@ def test_weight_gradients_deferred_to_a_later_call(monkeypatch):
     weight-gradient part; the expert/attention/MLP weight gradients come from
     ``weight_grads`` later. Together they are eager's gradients, bitwise; a second
     ``weight_grads`` raises."""
-    monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", 0)  # several segments, each clipped at the weight part
+    monkeypatch.setattr(fxb.fxoverlap_backend, "segment_min_grad_bytes", 0)  # several segments, each clipped at the weight part
     cfg = MoEConfig.tiny(n_layers=2, shared_expert_dim=32)
     torch.manual_seed(0)
     eager = MoETransformer(cfg, None)

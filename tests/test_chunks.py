@@ -31,6 +31,9 @@ from fxoverlap.kernels import a2a
 from fxoverlap.testing import run_distributed, run_distributed_once
 import chunk_cases
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 OPTIMIZE = [
     dict(config=dict(chunks=2), ns=[1, 3]),
     dict(config=dict(chunks=4, delay_wgrad=True), ns=[2]),

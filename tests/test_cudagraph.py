@@ -44,6 +44,9 @@ from fxoverlap.runtime import ProgramRunner
 from fxoverlap.ir.stage import StageKind, StreamKind
 from fxoverlap.testing import eager_steps, token_batches
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 
 def _model(routing: str, **kw):
     torch.manual_seed(0)
@@ -518,7 +521,7 @@ def test_backend_replays_graphs_and_never_overwrites_a_pending_backward(fake_cud
     import fxoverlap.backend as fxb
 
     if segment_bytes is not None:
-        monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", segment_bytes)
+        monkeypatch.setattr(fxb.fxoverlap_backend, "segment_min_grad_bytes", segment_bytes)
 
     mbs = _batches(3, 256, seed=21)
     model = _model("capacity")

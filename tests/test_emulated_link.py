@@ -29,6 +29,9 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.models.moe import ModelConfigError, Router
 from fxoverlap.testing import token_batches
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dict(n_layers=2, dim=32, n_heads=4, n_experts=4, top_k=2, expert_dim=16, vocab_size=64)
 MBS, SHAPE = 2, (2, 8)  # 2 microbatches of 2 x 8 tokens

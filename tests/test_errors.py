@@ -29,6 +29,9 @@ from fxoverlap.models import MoEConfig
 from fxoverlap.passes import CaptureError, TagError, capture, split, tag
 from fxoverlap.testing import run_distributed
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 
 class Block(nn.Module):
     def __init__(self, dim=8):

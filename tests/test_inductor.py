@@ -31,6 +31,9 @@ from fxoverlap.ir.stage import StageKind, StreamKind
 from fxoverlap.testing import grad_diff, run_distributed, take_grads
 from numerics_cases import eager_grads, make_batches
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 CFG = MoEConfig.tiny(n_layers=2, dim=32, n_heads=2, n_experts=4, expert_dim=16, shared_expert_dim=16, vocab_size=64)
 TOL = 1e-5
 

@@ -76,3 +76,14 @@ def test_planted_violations_fail(tmp_path):
     assert "BROKEN" in out.stdout and "fxoverlap.ir.stage -> fxoverlap.passes" in out.stdout, out.stdout
     assert "the comm ops import no emulated link (it is their group: a2a.GroupStandIn) BROKEN" in out.stdout, out.stdout
     assert "fxoverlap.ops -> fxoverlap.kernels.emulated_link" in out.stdout, out.stdout
+
+
+def test_fronts_independence_contract_catches_a_pipeline_import_of_the_backend(tmp_path):
+    """The front ends are independent adapters: pipeline_parallel importing fxoverlap.backend
+    (say, for a helper of the backend's) fails the lint."""
+    tmp = _installed_layout(tmp_path)
+    pp = tmp / "fxoverlap" / "pipeline_parallel.py"
+    pp.write_text(pp.read_text() + "\nfrom fxoverlap.backend import fxoverlap_backend  # planted\n")
+    out = _lint(tmp)
+    assert out.returncode != 0
+    assert "BROKEN" in out.stdout and "fxoverlap.pipeline_parallel -> fxoverlap.backend" in out.stdout, out.stdout

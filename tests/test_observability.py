@@ -21,6 +21,9 @@ from fxoverlap import pipeline
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import eager_steps, grad_diff, take_grads, token_batches
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ["dispatcher", "tag", "side", "rng", "chunk", "recompute", "split", "cudagraph", "inductor",
          "schedule", "reduce", "streams", "free"]

@@ -51,7 +51,7 @@ def test_one_rank_through_the_backend(monkeypatch):
     microbatches, with the backward in one segment per gradient hand-out."""
     import fxoverlap.backend as fxb
 
-    monkeypatch.setattr(fxb, "SEGMENT_MIN_GRAD_BYTES", 0)
+    monkeypatch.setattr(fxb.fxoverlap_backend, "segment_min_grad_bytes", 0)
     r = titan_real.backend_vs_eager("qwen3_moe", n=N)
     _check_exact(r, "qwen3_moe")
     assert r["segments"] > 2, r["segments"]

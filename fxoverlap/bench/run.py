@@ -525,6 +525,9 @@ def setup(args: argparse.Namespace) -> tuple[dist.ProcessGroup, torch.device, bo
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    # the backend's documented setup (dropless dispatch kept in the graph); every torch.compile
+    # mode, the torch.compile(model) baseline included, traces with it, as before it was explicit
+    fxoverlap.enable_dynamic_output_shapes()
     group, device, owns = setup(args)
     try:
         if dist.get_rank() == 0:

@@ -17,6 +17,9 @@ from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import eager_steps, grad_diff, take_grads
 from numerics_cases import make_batches
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 # 8 experts: 4 local experts per rank on 2 ranks, so 2, 3 and 4 chunks can be cut
 CFG = dict(n_layers=2, dim=32, n_heads=2, n_experts=8, expert_dim=16, vocab_size=64)
 

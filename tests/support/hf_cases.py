@@ -18,6 +18,9 @@ import torch.nn.functional as F
 import fxoverlap
 from fxoverlap.testing import take_grads
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 VOCAB = 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                attn_implementation="sdpa")

@@ -110,7 +110,6 @@ def host_split_backend_warnings(rank: int, world: int) -> dict:
     whether the loss equals eager's."""
     import warnings
 
-    import fxoverlap  # noqa: F401  (registers the backend)
     from fxoverlap.backend import FallbackWarning
 
     torch.manual_seed(0)

@@ -269,13 +269,13 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     args = (x,) if has_first else ()
     kwargs = dict(target=y, losses=losses, loss_kwargs=lkw or None) if has_last else {}
     # the stage calls of each merged OVERLAP_F_B step, in the order they ran
-    import fxoverlap.backend as fxb
     import fxoverlap.pipeline_parallel as fxpp
     import torch.distributed.pipelining.schedules as pl_schedules
+    from fxoverlap.backend_autograd import Turns
     from fxoverlap.runtime import ProgramRunner
 
     merged_calls: list[list[tuple[str, str]]] = []
-    orig_turns, orig_call = fxb.run_in_turns, ProgramRunner.call_stage
+    orig_turns, orig_call = Turns.run, ProgramRunner.call_stage
     orig_batch, orig_wait = pl_schedules._batch_p2p, fxpp._wait_works
     # each OVERLAP_F_B step: its F and B stage indices, whether it merged, and its events in
     # order: stage calls (direction, kind), sends issued ("send", desc: "fxoverlap_fwd_send" /
@@ -284,10 +284,10 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     current: list = [None]
     sends = {"total": 0, "early": 0}  # non-empty send batches of the whole step (pipelining's and ours)
 
-    def turns(other, forward, after_forward=None):
+    def turns(self, other, forward, after_forward=None):
         merged_calls.append([])
         try:
-            return orig_turns(other, forward, after_forward)
+            return orig_turns(self, other, forward, after_forward)
         finally:
             merged_calls.append(None)
 
@@ -344,12 +344,12 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
                 overlap_steps[-1]["merged"] = sched.fxoverlap_merged_steps > before
 
         fmap[pl_schedules.OVERLAP_F_B] = overlap
-    fxb.run_in_turns, ProgramRunner.call_stage = turns, call_stage
+    Turns.run, ProgramRunner.call_stage = turns, call_stage
     pl_schedules._batch_p2p, fxpp._wait_works = batch_p2p, wait_works
     try:
         sched.step(*args, **kwargs)
     finally:
-        fxb.run_in_turns, ProgramRunner.call_stage = orig_turns, orig_call
+        Turns.run, ProgramRunner.call_stage = orig_turns, orig_call
         pl_schedules._batch_p2p, fxpp._wait_works = orig_batch, orig_wait
         if pl_schedules.OVERLAP_F_B in fmap:
             fmap[pl_schedules.OVERLAP_F_B] = orig_overlap

@@ -13,6 +13,9 @@ from fxoverlap.testing import eager_steps, grad_diff, take_grads
 from numerics_cases import make_batches
 from rng_models import RandomTransformer
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 CFG = dict(n_layers=2, dim=32, n_heads=2, n_experts=4, expert_dim=16, vocab_size=64)
 SEED = 1  # the generator's seed before each run: eager and fxoverlap start from the same state
 

@@ -31,6 +31,9 @@ import fxoverlap
 from fxoverlap.passes.capture import CaptureError
 from fxoverlap.testing import token_batches
 
+# the backend's documented setup: dropless dispatch traced into the graph (data-dependent sizes)
+fxoverlap.enable_dynamic_output_shapes()
+
 VOCAB = 64
 _INIT = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
 _EXPERTS_INIT = {k: partial(nn.init.normal_, std=0.02) for k in ("w1_EFD", "w2_EDF", "w3_EFD")}

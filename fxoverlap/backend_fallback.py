@@ -1,0 +1,105 @@
+"""The backend's fallbacks: what makes ``torch.compile(model, backend="fxoverlap")`` run a graph as
+the plain Dynamo GraphModule (eager-equivalent), and the warning that names why.
+
+Anything the backend cannot handle (dynamic-shape graph inputs, a graph output that is not a
+tensor, no output needing grad, a differentiable output without a tangent that cannot be rebuilt
+from its base, a capture/tag/split error: :data:`FALLBACK_ERRORS`) falls back with a
+:class:`FallbackWarning` (also logged). When Dynamo broke the graph at a host read (split sizes
+from ``.tolist()``, :func:`host_read_breaks`), a graph without a whole decoder layer falls back
+with a warning that names the break and the fixes (:func:`graph_break_hint`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+import torch
+import torch._subclasses.fake_tensor
+import torch.fx
+import torch.fx.experimental.symbolic_shapes
+
+from fxoverlap.ir.errors import FxOverlapError
+
+__all__ = ["FALLBACK_ERRORS", "BackendUnsupported", "FallbackWarning", "fallback", "graph_break_hint",
+           "has_all_to_all", "host_read_breaks"]
+
+log = logging.getLogger("fxoverlap.backend")
+
+
+class FallbackWarning(UserWarning):
+    """The backend runs a graph as plain eager-equivalent code; the message says why."""
+
+
+class BackendUnsupported(FxOverlapError):
+    """What the backend does not handle (a dynamic shape, a non-tensor output, ...): it falls back."""
+
+
+def fallback(gm: torch.fx.GraphModule, reason: str):
+    """``gm.forward`` (Dynamo runs it as eager would), after a :class:`FallbackWarning` naming ``reason``."""
+    msg = f"fxoverlap backend: running this graph as plain eager-equivalent code: {reason}"
+    log.warning(msg)
+    warnings.warn(msg, FallbackWarning, stacklevel=3)
+    return gm.forward
+
+
+# Dynamo's reasons for a graph break at a read of a tensor's value on the host
+# (``.tolist()``, ``.item()``, ``int(t)``: ``aten._local_scalar_dense``)
+_HOST_READ = re.compile(r"_local_scalar_dense|tolist|\.item\(|data.dependent", re.IGNORECASE)
+
+
+def host_read_breaks() -> list[str]:
+    """The first lines of the graph-break reasons Dynamo recorded in this process that are
+    host reads of tensor values (split sizes from ``.tolist()``, a scalar from ``.item()``)."""
+    from torch._dynamo.utils import counters
+
+    out = []
+    for reason in counters.get("graph_break", {}):
+        if _HOST_READ.search(reason):
+            ctx = re.search(r"Developer debug context:\s*(\S+)", reason)
+            out.append(reason.strip().splitlines()[0] + (f" at {ctx.group(1)}" if ctx else ""))
+    return out
+
+
+def has_all_to_all(gm: torch.fx.GraphModule) -> bool:
+    """Whether the Dynamo graph runs an all-to-all (a functional collective or fxoverlap's ops)."""
+    return any(n.op == "call_function" and ("all_to_all" in str(n.target) or "fxoverlap" in str(n.target))
+               for n in gm.graph.nodes)
+
+
+def graph_break_hint() -> str | None:
+    """Why a graph holds no whole decoder layer when Dynamo broke graphs at host reads, and the fix."""
+    breaks = host_read_breaks()
+    if not breaks:
+        return None
+    return (
+        f"a graph break split the decoder layers: Dynamo broke the graph at a host read of a tensor value "
+        f"({breaks[0]!r}: e.g. all-to-all split sizes from .tolist()), so each graph holds a piece of a layer, "
+        f"and no graph a whole layer with its all-to-alls to overlap. Fixes: fxoverlap's dispatch/combine ops "
+        f"(fxoverlap.ops) with a static, sync-free dispatcher (OverlapConfig(dispatcher='padded' | 'symm_mem'), "
+        f"torch.compile(..., options={{'dispatcher': 'padded'}})), which read no split sizes on the host; "
+        f"torch._dynamo.config.capture_scalar_outputs = True, which keeps the host read inside the graph; "
+        f"or fxoverlap.optimize(model, ep_group), which traces the whole step without graph breaks"
+    )
+
+
+# What makes the backend fall back to the plain graph (anything else propagates: a bug in
+# fxoverlap must not pass for a graph the backend does not handle):
+FALLBACK_ERRORS: tuple[type[BaseException], ...] = (
+    # ours: a pass refused the graph (CaptureError, TagError, RecomputeError, DispatcherError,
+    # InductorError, RngOrderError, ...), each naming the node and the reason
+    FxOverlapError,
+    # autograd's "the derivative for '<op>' is not implemented", raised while the capture pass
+    # traces the backward of a graph holding an op without one (seen: torch.unique's _unique2);
+    # torch raises it as a plain NotImplementedError
+    NotImplementedError,
+    # the capture pass traces the Dynamo graph again on fake tensors with a ShapeEnv of its
+    # own: an op without a fake kernel or with a data-dependent output (Dynamo ran the same
+    # ops on its fake tensors first, so these are not seen in the tests)
+    torch._subclasses.fake_tensor.UnsupportedOperatorException,
+    torch._subclasses.fake_tensor.DynamicOutputShapeException,
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+    # a pass or that trace branching on an unbacked size (an .item() Dynamo kept in the graph)
+    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+)
