@@ -62,7 +62,7 @@ class ProgramKey:
     ``params``                each parameter by name: shape, stride, dtype, device,
                               ``requires_grad``, tensor type (``model.to()``, freezing,
                               FSDP/DTensor parameters appearing after the first step)
-    ``buffers``               each buffer by name: shape, stride, dtype, device, type
+    ``buffers``               each buffer by name: the same metadata
     ``eval_modules``          the submodules not in ``training`` mode (``model.eval()``
                               turns dropout off, a running statistic stops updating)
     ``grad_mode``             ``torch.is_grad_enabled()``
@@ -324,8 +324,7 @@ def program_key(model: nn.Module, inputs: Sequence[torch.Tensor], keywords: tupl
         role=role,
         inputs=tuple((i if k is None else k, *_tensor_meta(t)) for i, (k, t) in enumerate(zip(names, inputs))),
         params=tuple((n, *_tensor_meta(p)) for n, p in model.named_parameters(remove_duplicate=False)),
-        buffers=tuple((n, *_tensor_meta(b)[:4], _tensor_meta(b)[5])
-                      for n, b in model.named_buffers(remove_duplicate=False)),
+        buffers=tuple((n, *_tensor_meta(b)) for n, b in model.named_buffers(remove_duplicate=False)),
         eval_modules=eval_modules,
         grad_mode=torch.is_grad_enabled(),
         autocast=tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
