@@ -167,13 +167,13 @@ def run_real_one(name: str, mode: str, iters: int) -> dict:
     """One (model, mode) in this process: eager reference, then the mode; see the module docstring."""
     from fxoverlap.kernels import emulated_link
 
+    fxoverlap.enable_dynamic_output_shapes()  # dropless dispatch stays in torch.compile's graph
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29556")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
-    group = dist.group.WORLD
     _, ep, experts, _ = REAL[name]
     link = emulated_link.Link(GBPS, ep=ep, experts=experts, name=f"{GBPS:g}GB/s")
-    emulated_link.set_link(link)
+    group = emulated_link.EmulatedGroup(link)  # the EP group: one rank here, every exchange holds as EP-N's
     row = dict(model=name, mode=mode, layers=LAYERS, tokens=f"{N_MB} x 1 x {SEQ}", dtype="bfloat16",
                link=f"emulated EP {ep}, {GBPS:g} GB/s", torch=torch.__version__)
     g = torch.Generator().manual_seed(0)
@@ -250,7 +250,6 @@ def run_real_one(name: str, mode: str, iters: int) -> dict:
         import fxoverlap.backend as fxb
 
         row["runs_as"] = sorted({s.runs_as for s in fxb.last_stages()})
-    emulated_link.set_link(None)
     dist.destroy_process_group()
     return row
 
