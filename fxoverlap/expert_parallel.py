@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from fxoverlap import ops
 from fxoverlap.ir.errors import FxOverlapError
+from fxoverlap.kernels.a2a import GroupStandIn
 
 __all__ = ["expert_parallel", "explain_capture_error", "find_experts", "ExpertShard", "ExpertParallelError"]
 
@@ -385,6 +386,8 @@ def _expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, indices: tor
 def _ep_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 1, 0
+    if isinstance(group, GroupStandIn):  # one rank of its own (the emulated link): not in torch's registry
+        return group.size(), 0
     return dist.get_world_size(group), dist.get_rank(group)
 
 

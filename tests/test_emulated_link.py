@@ -418,3 +418,24 @@ def test_sm_carveout_is_set_for_the_experts_stages_and_restored():
         assert asks()
     assert comm_kernels_run(dataclasses.replace(capture, ep_groups=None))()
     assert not comm_kernels_run(dataclasses.replace(capture, ep_groups=("",)))()  # "": no group, one rank
+
+
+def test_expert_parallel_hf_model_over_an_emulated_group_matches_eager():
+    """scripts/hf_gpu_check.py's path: transformers' model made EP over the stand-in group (one rank
+    for compute; not in torch's group registry), every exchange counted, outputs and grads eager's."""
+    import hf_cases
+
+    torch.manual_seed(0)
+    group = el.EmulatedGroup(None)
+    model = fxoverlap.expert_parallel(hf_cases.build("qwen3_moe"), group)
+    ref = copy.deepcopy(model)  # the same EP model in eager (a stand-in group is shared by copies)
+    mbs = hf_cases.batches(0)
+    ref_losses = hf_cases.eager_losses(ref, mbs)
+    engine = fxoverlap.optimize(model, group, OverlapConfig(compiler="eager"))
+    counter = el.Counter()
+    with el.standin(counter), group.using(el.Link(100, ep=8, experts=64)):
+        losses = engine.forward_backward(mbs, loss_fn=hf_cases.next_token_loss)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    assert counter.calls
