@@ -13,10 +13,11 @@ pipelining sends on.
 
 What is hooked, and where (``docs/pipeline_parallel.md``):
 
-- every schedule: each local ``PipelineStage``'s ``forward_maybe_with_nosync`` (the one
-  place pipelining calls ``self.submod(...)``) is replaced, on that stage instance only, by a
-  call of the fxoverlap-compiled stage module. ``stage.submod`` stays the user's module, so
-  ``parameters()``, ``scale_grads`` and DDP/FSDP checks see what they always see, and
+- every schedule: the schedule runs :class:`_OverlapStage` objects, a subclass of each user
+  stage's class built from it, whose ``forward_maybe_with_nosync`` (the one place pipelining
+  calls ``self.submod(...)``) calls the fxoverlap-compiled stage module instead.
+  ``stage.submod`` stays the user's module, so ``parameters()``, ``scale_grads`` and DDP/FSDP
+  checks see what they always see, and
   pipelining's own torch.compile check (DualPipeV refuses compiled submodules) holds. The
   stage is traced with ``capture_scalar_outputs`` on (host reads of split sizes stay in the
   graph) and its DTensor inputs read only through ``to_local()`` (torchtitan's EP expert
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fxoverlap import pipelining_privates as pl
 from fxoverlap.config import PIPELINE, OverlapConfig, refused_fields
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.stage import Stage
@@ -167,7 +169,8 @@ class _StageCompiler:
     """One local ``PipelineStage``: its module compiled by fxoverlap's backend (on the first
     call, as torch.compile does), the compiled steps it built, and the stage's forward."""
 
-    def __init__(self, stage, config: OverlapConfig, registry: dict[int, list[Stage]]):
+    def __init__(self, stage, config: OverlapConfig, registry: dict[int, list[Stage]], n_microbatches: int,
+                 weight_last: bool):
         self.stage = stage
         self.config = config
         self.registry = registry
@@ -177,7 +180,7 @@ class _StageCompiler:
         self.graph_params: list[dict[int, nn.Parameter]] = []
         self.forward_calls = 0  # F steps run (each a call of the compiled stage module)
         self.backwards = 0  # backwards of this stage run in this step (through autograd or merged)
-        self.n_microbatches = 0  # set by pipeline_schedule
+        self.n_microbatches = n_microbatches
         # pipeline_schedule(dp_group=...): the stage's gradients averaged over the DP group,
         # issued after its last backward, finished at the end of the step, where pipelining's
         # gradient scaling (deferred to then: scale_factor) follows
@@ -189,7 +192,7 @@ class _StageCompiler:
         # a ZeroBubble schedule (BACKWARD_WEIGHT actions): weight gradients computed last, so
         # BACKWARD_INPUT can leave them to BACKWARD_WEIGHT; the calls of the BACKWARD_INPUT
         # running now whose weight part its dw_builder closure takes
-        self.weight_last = False
+        self.weight_last = weight_last
         self.deferred: list = []  # backend_autograd.StepRun
         # merged steps (OVERLAP_F_B): the backward another call of this rank runs in turns with
         # the next forward of this stage's compiled steps
@@ -252,8 +255,7 @@ class _StageCompiler:
 
         def run_weights() -> None:
             for run in runs:
-                args = run.args
-                _accumulate(args, run.step.weight_grads(run))
+                _accumulate(run.args, run.step.weight_grads(run))
             self.backward_done()
 
         return run_weights
@@ -263,6 +265,17 @@ class _StageCompiler:
         self.backwards += 1
         if self.reducer is not None and self.backwards == self.n_microbatches:
             self.reducer.start()
+
+    def begin_step(self) -> None:
+        self.backwards = 0
+        self.sent.clear()
+
+    def take_sent(self, fwd: bool, mb: int) -> bool:
+        """Whether an OVERLAP_F_B step already sent this (forward?, microbatch); forgets it."""
+        if (fwd, mb) in self.sent:
+            self.sent.discard((fwd, mb))
+            return True
+        return False
 
     def finish_step(self) -> None:
         """End of the step: the DP reduction lands in ``p.grad``, then pipelining's gradient scaling."""
@@ -347,7 +360,9 @@ class _LocalShards:
     """A compiled stage graph whose DTensor inputs were unwrapped (:func:`_unwrap_dtensor_inputs`):
     called with Dynamo's inputs, it passes ``to_local()`` of each of those (through autograd,
     as the module's own ``to_local()`` did) and marks each local shard with its DTensor, for
-    the merged step's backward outside autograd (:func:`_merged_backward`)."""
+    the merged step's backward outside autograd (:func:`_merged_backward`). (A tensor
+    attribute, not an id-keyed table: the shard's Python object is not kept alive, and only
+    an attribute makes torch keep it; an id-keyed table missed shards on torchtitan's EP.)"""
 
     def __init__(self, step, unwrapped: tuple[int, ...]):
         self.step, self.unwrapped = step, unwrapped
@@ -355,64 +370,108 @@ class _LocalShards:
     def __call__(self, *args):
         args = list(args)
         for i in self.unwrapped:
-            local = args[i].to_local()
-            local._fxoverlap_dtensor = args[i]
-            args[i] = local
+            shard = args[i].to_local()
+            shard._fxoverlap_dtensor = args[i]
+            args[i] = shard
         return self.step(*args)
 
 
-def _install(stage, compiler: _StageCompiler) -> None:
-    if getattr(stage, "_fxoverlap", None) is not None:
-        raise PipelineError(f"pipeline stage {stage.stage_index} is already run by another fxoverlap schedule")
-    if getattr(stage, "dw_builder", None) is not None:
-        raise PipelineError(f"pipeline stage {stage.stage_index} has a dw_builder of its own; fxoverlap runs the "
-                            f"stage's whole backward itself and uses that slot (docs/pipeline_parallel.md)")
-    stage._fxoverlap = compiler
-    # the one place pipelining calls the stage module (forward_one_chunk); instance-local
-    stage.forward_maybe_with_nosync = compiler.forward
-    # ZeroBubble: BACKWARD_INPUT runs the backward but the weight gradients it can leave,
-    # BACKWARD_WEIGHT those (module doc)
-    stage.dw_builder = compiler.weight_step
-    original = stage.backward_one_chunk
+class _OverlapStage:
+    """The ``PipelineStage`` (the user's stage class, subclassed: :func:`_stage_class`) whose F
+    and B run as fxoverlap programs, built from the user's stage: it takes over that stage's
+    state as pipelining built it (module, index, group, metadata), so the user's object is
+    not used after :func:`pipeline_schedule`. What it changes (module doc):
 
-    def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+    - ``forward_maybe_with_nosync``, the one place pipelining calls the stage module: the
+      fxoverlap-compiled module instead (``submod`` stays the user's module);
+    - ``dw_builder`` (ZeroBubble): the ``BACKWARD_WEIGHT`` of the weight gradients its
+      ``BACKWARD_INPUT`` left; ``backward_one_chunk`` decides what it leaves;
+    - ``get_fwd_send_ops`` / ``get_bwd_send_ops``: nothing for what an ``OVERLAP_F_B`` step
+      already sent (:class:`_EarlySends`), so nothing is sent twice and the ``bwd_cache``
+      entry (which ``get_bwd_send_ops`` pops) is popped once;
+    - ``perform_reduce_grad`` with ``dp_group``: the gradient scaling waits for the DP
+      reduction in flight (:meth:`_StageCompiler.finish_step`)."""
+
+    def __init__(self, stage, config: OverlapConfig, registry: dict[int, list[Stage]], n_microbatches: int,
+                 weight_last: bool, groups) -> None:
+        vars(self).update(vars(stage))
+        self.fxoverlap_state = _StageCompiler(self, config, registry, n_microbatches, weight_last)
+        if groups is not None:
+            self.fxoverlap_state.reducer = _StageReduction(self.fxoverlap_state, groups,
+                                                           int(config.reduce_bucket_mb * 2**20))
+        self.dw_builder = self.fxoverlap_state.weight_step
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        return self.fxoverlap_state.forward(*args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False):
+        state = self.fxoverlap_state
         if not full_backward:
-            compiler.deferred = _deferrable_runs(stage, bwd_chunk_id) if compiler.weight_last else []
+            state.deferred = _deferrable_runs(self, bwd_chunk_id) if state.weight_last else []
             # where this BACKWARD_INPUT completes the step's gradients (DDP leaves nothing for
             # BACKWARD_WEIGHT), DDP's reduction (last_backward) must come with it, not with the
             # BACKWARD_WEIGHT pipelining flags as the last
-            if not compiler.deferred and compiler.backwards + 1 == compiler.n_microbatches:
+            if not state.deferred and state.backwards + 1 == state.n_microbatches:
                 last_backward = True
-        deferred = bool(compiler.deferred)
-        out = original(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        deferred = bool(state.deferred)
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                         last_backward=last_backward)
         if not deferred:  # else counted when its BACKWARD_WEIGHT has run
-            compiler.backward_done()
+            state.backward_done()
         return out
 
-    stage.backward_one_chunk = backward_one_chunk
-    # an OVERLAP_F_B step sends its F's output and its B's input gradients as soon as each is
-    # produced (_EarlySends), with pipelining's own ops; the schedule's SEND_F / SEND_B action
-    # for them comes after the step and then gets no ops (pipelining's _batch_p2p([]) issues
-    # nothing), so nothing is sent twice and the bwd_cache entry (which get_bwd_send_ops pops)
-    # is popped once
-    for fwd, name in ((True, "get_fwd_send_ops"), (False, "get_bwd_send_ops")):
-        stage_ops = getattr(stage, name)
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        return [] if self.fxoverlap_state.take_sent(True, fwd_chunk_id) else super().get_fwd_send_ops(fwd_chunk_id)
 
-        def send_ops(chunk_id: int, fwd: bool = fwd, stage_ops=stage_ops) -> list:
-            if (fwd, chunk_id) in compiler.sent:
-                compiler.sent.discard((fwd, chunk_id))
-                return []
-            return stage_ops(chunk_id)
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        return [] if self.fxoverlap_state.take_sent(False, bwd_chunk_id) else super().get_bwd_send_ops(bwd_chunk_id)
 
-        setattr(stage, name, send_ops)
-    if compiler.reducer is not None:
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         # pipelining scales the gradients right after the stage's last backward (REDUCE_GRAD,
         # or the end of a single-stage step); with the DP reduction in flight then, the scaling
         # waits for it (finish_step)
-        def perform_reduce_grad(grad_scale_factor: int) -> None:
-            compiler.scale_factor = grad_scale_factor
+        if self.fxoverlap_state.reducer is None:
+            return super().perform_reduce_grad(grad_scale_factor)
+        self.fxoverlap_state.scale_factor = grad_scale_factor
 
-        stage.perform_reduce_grad = perform_reduce_grad
+
+@functools.cache
+def _stage_class(cls: type) -> type:
+    """The user's stage class ``cls`` with :class:`_OverlapStage`'s changes."""
+    return type(f"FxOverlap{cls.__name__}", (_OverlapStage, cls), {
+        "__doc__": f"{cls.__name__} whose F/B steps run as fxoverlap programs (fxoverlap.pipeline_schedule).",
+        "__module__": __name__,
+    })
+
+
+class _PipelineRun:
+    """What fxoverlap keeps for one schedule (its ``fxoverlap_run``): the local stages, the
+    options, the counts of ``OVERLAP_F_B`` steps, and the current step's arguments and early
+    sends (:class:`_EarlySends`)."""
+
+    def __init__(self, stages: list, registry: dict[int, list[Stage]], merge: bool, ep_group, dp_group,
+                 expert_dp_group, config: OverlapConfig) -> None:
+        self.stages = {st.stage_index: st for st in stages}  # _OverlapStage, by stage index
+        self.registry = registry
+        self.merge, self.config = merge, config
+        self.ep_group, self.dp_group, self.expert_dp_group = ep_group, dp_group, expert_dp_group
+        self.overlap_steps = 0  # OVERLAP_F_B steps run by the custom function
+        self.merged_steps = 0  # of which F and B ran in turns (the rest: F then B)
+        self.step_args: dict | None = None  # step()'s return_outputs and loss_kwargs, during a step
+        self.sends: list = []  # works of the sends OVERLAP_F_B steps issued (_EarlySends)
+
+    def begin_step(self, return_outputs: bool, loss_kwargs: dict | None) -> None:
+        self.step_args = {"return_outputs": return_outputs, "loss_kwargs": loss_kwargs}
+        self.sends = []
+        for st in self.stages.values():
+            st.fxoverlap_state.begin_step()
+
+    def finish_step(self) -> None:
+        while self.sends:  # as the runtime waits its own sends, at the end of the step
+            pl.wait_batch_p2p(self.sends.pop())
+        for st in self.stages.values():
+            st.fxoverlap_state.finish_step()  # dp_group: the reductions issued after each stage's last backward
 
 
 def _recv_works(schedule, stages, sub) -> list | None:
@@ -425,22 +484,20 @@ def _recv_works(schedule, stages, sub) -> list | None:
     stage = stages[idx]
     if sub.computation_type == FORWARD:
         if not stage.is_first and idx - 1 not in stages:
-            if (idx, mb) not in schedule.fwd_recv_ops:
+            if (idx, mb) not in pl.fwd_recv_ops(schedule):
                 raise PipelineError(f"computing {sub} before receiving its input")
-            return schedule.fwd_recv_ops.pop((idx, mb))
+            return pl.fwd_recv_ops(schedule).pop((idx, mb))
     elif not stage.is_last and idx + 1 not in stages:
-        if (idx, mb) not in schedule.bwd_recv_ops:
+        if (idx, mb) not in pl.bwd_recv_ops(schedule):
             raise PipelineError(f"computing {sub} before receiving its gradients")
-        return schedule.bwd_recv_ops.pop((idx, mb))
+        return pl.bwd_recv_ops(schedule).pop((idx, mb))
     return None
 
 
 def _wait_works(works: list | None, what: str) -> None:
     """Wait for a receive's works (``what``: ``"fwd_recv"`` / ``"bwd_recv"``, for tracing)."""
-    from torch.distributed.pipelining import schedules
-
     if works is not None:
-        schedules._wait_batch_p2p(works)
+        pl.wait_batch_p2p(works)
 
 
 def _wait_recv(schedule, stages, sub) -> None:
@@ -467,7 +524,7 @@ class _EarlySends:
     them must still be issued first, for its deadlock-free order). So this rank issues its
     P2P ops in the schedule's order; only the compute after them moves. The ops are
     pipelining's (``get_fwd_send_ops`` / ``get_bwd_send_ops``, ``_batch_p2p``); the works are
-    kept on the schedule and waited at the end of ``step``, as the runtime waits its own."""
+    kept in the schedule's :class:`_PipelineRun` and waited at the end of ``step``, as the runtime waits its own."""
 
     def __init__(self, schedule, stages: dict, action, subs: list):
         from torch.distributed.pipelining.schedules import FORWARD, SEND_B, SEND_F
@@ -475,7 +532,7 @@ class _EarlySends:
         self.schedule, self.stages = schedule, stages
         self.pending: list = []  # (send action, the sub-action that produces what it sends)
         self.produced: set = set()
-        order = (getattr(schedule, "pipeline_order_with_comms", None) or {}).get(schedule.rank) or []
+        order = (pl.pipeline_order_with_comms(schedule) or {}).get(schedule.rank) or []
         # the runtime passes the action object of its list: find it by identity
         pos = next((i for i, a in enumerate(order) if a is action), None)
         if pos is None:
@@ -491,38 +548,39 @@ class _EarlySends:
 
     def done(self, sub) -> None:
         """``sub`` has produced what it sends: issue every send now ready, in the schedule's order."""
-        from torch.distributed.pipelining import schedules
+        from torch.distributed.pipelining.schedules import SEND_F
 
         self.produced.add(sub)
         while self.pending and self.pending[0][1] in self.produced:
             send, _ = self.pending.pop(0)
             stage, mb = self.stages[send.stage_index], send.microbatch_index
-            fwd = send.computation_type == schedules.SEND_F
+            fwd = send.computation_type == SEND_F
             ops = stage.get_fwd_send_ops(mb) if fwd else stage.get_bwd_send_ops(mb)
-            self.schedule._fxoverlap_sends.append(
-                schedules._batch_p2p(ops, desc="fxoverlap_fwd_send" if fwd else "fxoverlap_bwd_send"))
-            stage._fxoverlap.sent.add((fwd, mb))
+            self.schedule.fxoverlap_run.sends.append(
+                pl.batch_p2p(ops, desc="fxoverlap_fwd_send" if fwd else "fxoverlap_bwd_send"))
+            stage.fxoverlap_state.sent.add((fwd, mb))
 
 
 def _forward(schedule, stages, sub, ctx) -> None:
     """A FORWARD action after its receive: forward, loss, local hand-off."""
     mb, idx = sub.microbatch_index, sub.stage_index
     stage = stages[idx]
-    args = schedule._fxoverlap_step_args
+    args = schedule.fxoverlap_run.step_args
     output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=args["return_outputs"])
-    schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb, args["loss_kwargs"])
+    pl.compute_loss(schedule, stage, output, ctx.target_mbs, mb, args["loss_kwargs"])
     if idx + 1 in stages:
         stages[idx + 1].set_local_fwd_input(output, mb)
 
 
-def _backward_counter(schedule, sub) -> bool:
+def _backward_counter(schedule, stage, sub) -> bool:
     """Count a FULL_BACKWARD as the runtime does; whether it is the stage's last backward."""
     from torch.distributed.pipelining.schedules import FULL_BACKWARD
 
     if sub.computation_type != FULL_BACKWARD:
         return False
-    schedule.backward_counter[sub.stage_index] += 1
-    return schedule.backward_counter[sub.stage_index] == schedule._n_microbatches
+    counter = pl.backward_counter(schedule)
+    counter[sub.stage_index] += 1
+    return counter[sub.stage_index] == stage.fxoverlap_state.n_microbatches
 
 
 def _backward(schedule, stages, sub) -> None:
@@ -531,8 +589,8 @@ def _backward(schedule, stages, sub) -> None:
 
     mb, idx = sub.microbatch_index, sub.stage_index
     stage = stages[idx]
-    loss = schedule._maybe_get_loss(stage, mb)
-    last = _backward_counter(schedule, sub)
+    loss = pl.get_loss(schedule, stage, mb)
+    last = _backward_counter(schedule, stage, sub)
     stage.backward_one_chunk(mb, loss=loss, full_backward=sub.computation_type == FULL_BACKWARD, last_backward=last)
     if idx - 1 in stages:
         stages[idx - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
@@ -583,9 +641,9 @@ def _deferrable_runs(stage, mb: int) -> list:
     else none (``BACKWARD_INPUT`` then runs the whole backward)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(stage.submod, (nn.parallel.DistributedDataParallel, FSDPModule)) or mb not in stage.fwd_cache:
+    if isinstance(stage.submod, (nn.parallel.DistributedDataParallel, FSDPModule)) or mb not in pl.fwd_cache(stage):
         return []
-    runs = _calls_of(stage.fwd_cache[mb][0])
+    runs = _calls_of(pl.fwd_cache(stage)[mb][0])
     for run in runs:
         grads = [t for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
         if (run.state is None or not run.step.splits_weight_grads or run.next_segment != 0
@@ -633,9 +691,9 @@ def _merged_backward(schedule, stages, sub):
     stage = stages[idx]
     if not stage.has_backward or isinstance(stage.submod, (nn.parallel.DistributedDataParallel, FSDPModule)):
         return None
-    if mb not in stage.fwd_cache:
+    if mb not in pl.fwd_cache(stage):
         return None
-    stage_output, input_values = stage.fwd_cache[mb]
+    stage_output, input_values = pl.fwd_cache(stage)[mb]
     outs = [t for t in stage_output if isinstance(t, torch.Tensor) and t.requires_grad]
     if not outs or len(outs) != len(stage_output):
         return None
@@ -648,30 +706,30 @@ def _merged_backward(schedule, stages, sub):
     if not run.args or step.draws_random_numbers():
         return None
     # a local shard of a DTensor parameter (torchtitan's EP) counts as that parameter
+    compiler = stage.fxoverlap_state
     leaves = [getattr(t, "_fxoverlap_dtensor", t) for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
     if any(not t.is_leaf or not _no_hooks(t) for t in leaves):
         return None
     if any(i not in {t.output_nr for t in outs} for i in step.tangent_pos):
         return None
     if stage.is_last:
-        loss = schedule._maybe_get_loss(stage, mb)
+        loss = pl.get_loss(schedule, stage, mb)
         if loss is None or not _reaches_only(loss, node):
             return None
         grads = torch.autograd.grad(loss, outs, allow_unused=True)
     else:
-        grads = stage._retrieve_recv_grads(mb)
+        grads = pl.retrieve_recv_grads(stage, mb)
         if len(grads) != len(outs):
             return None
     grad_outputs: list = [None] * len(step.capture.outputs)
     for t, g in zip(outs, grads):
         grad_outputs[t.output_nr] = torch.zeros_like(t) if g is None else g
-    compiler = stage._fxoverlap
     # a BACKWARD_INPUT of a ZeroBubble schedule leaves the weight gradients to its BACKWARD_WEIGHT
     compiler.deferred = (_deferrable_runs(stage, mb) if sub.computation_type == BACKWARD_INPUT and compiler.weight_last
                          else [])
     deferred = bool(compiler.deferred)
-    del stage.fwd_cache[mb]
-    last = _backward_counter(schedule, sub)
+    del pl.fwd_cache(stage)[mb]
+    last = _backward_counter(schedule, stage, sub)
     del last  # DDP/FSDP (what last_backward is for) take the autograd path
 
     args = run.args  # the generator drops them from the run when done
@@ -687,9 +745,9 @@ def _merged_backward(schedule, stages, sub):
                 v.grad = None
             else:
                 grad_inputs.append(None)
-        stage.bwd_cache[mb] = tuple(grad_inputs)[: len(stage._stage_meta.inputs)]
+        pl.bwd_cache(stage)[mb] = tuple(grad_inputs)[: pl.stage_input_count(stage)]
         if sub.computation_type == BACKWARD_INPUT:
-            stage.dw_runner[mb] = stage.dw_builder()  # takes the calls left to BACKWARD_WEIGHT
+            pl.dw_runner(stage)[mb] = stage.dw_builder()  # takes the calls left to BACKWARD_WEIGHT
         if stage.is_last and not stage.is_first:
             for t in stage_output:
                 if not t._is_view():
@@ -709,17 +767,18 @@ def _overlap_f_b(schedule, action, ctx) -> None:
     of autograd (:func:`_merged_backward`), F then B."""
     from torch.distributed.pipelining.schedules import BACKWARD_INPUT, FORWARD, FULL_BACKWARD
 
-    schedule.fxoverlap_overlap_steps += 1
+    run = schedule.fxoverlap_run
+    run.overlap_steps += 1
     if action.sub_actions is None:
         raise PipelineError(f"OVERLAP_F_B action {action} carries no sub_actions")
-    stages = {s.stage_index: s for s in schedule._stages}
+    stages = run.stages
     subs = list(action.sub_actions)
     for sub in subs:
         if sub.computation_type not in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT):
             raise PipelineError(f"OVERLAP_F_B sub-action {sub} is neither a forward nor a backward")
     kinds = [s.computation_type == FORWARD for s in subs]
     sends = _EarlySends(schedule, stages, action, subs)
-    if len(subs) == 2 and sorted(kinds) == [False, True] and schedule.fxoverlap_merge:
+    if len(subs) == 2 and sorted(kinds) == [False, True] and run.merge:
         f, b = (subs[0], subs[1]) if kinds[0] else (subs[1], subs[0])
         # each receive is waited right before its data is used, not both up front
         f_recv, b_recv = _recv_works(schedule, stages, f), _recv_works(schedule, stages, b)
@@ -728,11 +787,12 @@ def _overlap_f_b(schedule, action, ctx) -> None:
             gen, finish = merged
             _wait_works(f_recv, "fwd_recv")  # F's first chunk runs first
             # F's output is sent as soon as F has returned, before the rest of B runs
-            stages[f.stage_index]._fxoverlap.turns.run(_after_wait(b_recv, gen), lambda: _forward(schedule, stages, f, ctx),
-                                                       after_forward=lambda: sends.done(f))
+            stages[f.stage_index].fxoverlap_state.turns.run(_after_wait(b_recv, gen),
+                                                            lambda: _forward(schedule, stages, f, ctx),
+                                                            after_forward=lambda: sends.done(f))
             finish()
             sends.done(b)
-            schedule.fxoverlap_merged_steps += 1
+            run.merged_steps += 1
             return
         for sub, works in ((f, f_recv), (b, b_recv)) if subs[0] is f else ((b, b_recv), (f, f_recv)):
             _wait_works(works, "fwd_recv" if sub is f else "bwd_recv")
@@ -751,33 +811,44 @@ def _overlap_f_b(schedule, action, ctx) -> None:
         sends.done(sub)
 
 
-@functools.cache
-def _schedule_class(cls: type) -> type:
-    """``cls`` with its step's ``return_outputs`` and ``loss_kwargs`` kept where the
-    ``OVERLAP_F_B`` custom function reads them (its ``ctx`` does not carry them)."""
+class _OverlapSchedule:
+    """The user's schedule class (subclassed: :func:`_schedule_class`) over :class:`_OverlapStage` objects:
+    its ``step`` keeps ``return_outputs`` and ``loss_kwargs`` for the ``OVERLAP_F_B`` function
+    (pipelining's custom-function context does not carry them), and after pipelining's step
+    waits for the early sends and finishes the ``dp_group`` reductions. fxoverlap's state is
+    its ``fxoverlap_run`` (:class:`_PipelineRun`)."""
 
-    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
-                           return_outputs=True, loss_kwargs=None):
-        self._fxoverlap_step_args = {"return_outputs": return_outputs, "loss_kwargs": loss_kwargs}
-        self._fxoverlap_sends = []  # works of the sends OVERLAP_F_B steps issued (_EarlySends)
-        for st in getattr(self, "_stages", None) or [self._stage]:  # multi- or single-stage schedules
-            st._fxoverlap.backwards = 0
-            st._fxoverlap.sent.clear()
+    def __init__(self, stages, n_microbatches: int, *, fxoverlap_run: _PipelineRun, **kwargs: Any) -> None:
+        super().__init__(stages, n_microbatches, **kwargs)
+        self.fxoverlap_run = fxoverlap_run
+
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
+        run = self.fxoverlap_run
+        run.begin_step(return_outputs, loss_kwargs)
         try:
-            out = cls._step_microbatches(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
-                                         loss_kwargs=loss_kwargs)
+            out = super().step(*args, target=target, losses=losses, return_outputs=return_outputs,
+                               loss_kwargs=loss_kwargs, **kwargs)
         finally:
-            self._fxoverlap_step_args = None
-        from torch.distributed.pipelining.schedules import _wait_batch_p2p
-
-        while self._fxoverlap_sends:  # as the runtime waits its own sends, at the end of the step
-            _wait_batch_p2p(self._fxoverlap_sends.pop())
-        for st in getattr(self, "_stages", None) or [self._stage]:
-            st._fxoverlap.finish_step()  # dp_group: the reductions issued after each stage's last backward
+            run.step_args = None
+        run.finish_step()
         return out
 
-    return type(cls.__name__, (cls,), {
-        "_step_microbatches": _step_microbatches,
+    # read-only views of fxoverlap_run, the names pipeline_schedule documents
+    fxoverlap_stages = property(lambda self: self.fxoverlap_run.registry)
+    fxoverlap_overlap_steps = property(lambda self: self.fxoverlap_run.overlap_steps)
+    fxoverlap_merged_steps = property(lambda self: self.fxoverlap_run.merged_steps)
+    fxoverlap_merge = property(lambda self: self.fxoverlap_run.merge)
+    fxoverlap_ep_group = property(lambda self: self.fxoverlap_run.ep_group)
+    fxoverlap_dp_group = property(lambda self: self.fxoverlap_run.dp_group)
+    fxoverlap_expert_dp_group = property(lambda self: self.fxoverlap_run.expert_dp_group)
+    fxoverlap_config = property(lambda self: self.fxoverlap_run.config)
+
+
+@functools.cache
+def _schedule_class(cls: type) -> type:
+    """``cls`` with :class:`_OverlapSchedule`'s ``step``, of the same name."""
+    return type(cls.__name__, (_OverlapSchedule, cls), {
         "__doc__": f"{cls.__name__} whose F/B steps run as fxoverlap programs (fxoverlap.pipeline_schedule).",
         "__module__": __name__,
         "__qualname__": f"pipeline_schedule.{cls.__name__}",
@@ -811,9 +882,12 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     stage modules without DTensor parameters.
 
     Returns an instance of a subclass of ``schedule_cls`` (of the same name; it keeps
-    ``step``'s ``return_outputs`` and ``loss_kwargs`` for the ``OVERLAP_F_B`` function): ``schedule.step(x, target=y, losses=losses)`` as
-    with pipelining. After the first step, ``schedule.fxoverlap_stages`` maps each local
-    pipeline stage's index to its fxoverlap ``Stage`` objects.
+    ``step``'s ``return_outputs`` and ``loss_kwargs`` for the ``OVERLAP_F_B`` function) over
+    fxoverlap's stages built from ``stages`` (:class:`_OverlapStage`: the user's stage objects
+    are not used after this): ``schedule.step(x, target=y, losses=losses)`` as with
+    pipelining. After the first step, ``schedule.fxoverlap_stages`` maps each local pipeline
+    stage's index to its fxoverlap ``Stage`` objects; ``schedule.fxoverlap_run`` holds the
+    rest of fxoverlap's state (:class:`_PipelineRun`).
     """
     supported = supported_schedules()
     if not isinstance(schedule_cls, type) or schedule_cls not in supported:
@@ -848,28 +922,23 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     if fsdp := [st.stage_index for st in local if isinstance(st.submod, FSDPModule)]:
         raise PipelineError(f"pipeline stages {fsdp}: FSDP-wrapped stage modules are not supported by "
                             f"fxoverlap.pipeline_schedule yet (DDP is; docs/pipeline_parallel.md)")
+    for st in local:
+        if isinstance(st, _OverlapStage):
+            raise PipelineError(f"pipeline stage {st.stage_index} is already run by another fxoverlap schedule; "
+                                f"pass the PipelineStage you built")
+        if getattr(st, "dw_builder", None) is not None:
+            raise PipelineError(f"pipeline stage {st.stage_index} has a dw_builder of its own; fxoverlap runs the "
+                                f"stage's whole backward itself and uses that slot (docs/pipeline_parallel.md)")
     registry: dict[int, list[Stage]] = {}
     weight_last = schedule_cls.__name__ in _WEIGHT_SPLIT_SCHEDULES
-    for st in local:
-        compiler = _StageCompiler(st, config, registry)
-        compiler.n_microbatches = n_microbatches
-        compiler.weight_last = weight_last
-        if groups is not None:
-            compiler.reducer = _StageReduction(compiler, groups, int(config.reduce_bucket_mb * 2**20))
-        _install(st, compiler)
-    schedule = _schedule_class(schedule_cls)(stages, n_microbatches, loss_fn=loss_fn, **schedule_kwargs)
+    ours = [_stage_class(type(st))(st, config, registry, n_microbatches, weight_last, groups) for st in local]
+    run = _PipelineRun(ours, registry, merge, ep_group, dp_group, expert_dp_group, config)
+    schedule = _schedule_class(schedule_cls)(ours if multi else ours[0], n_microbatches, loss_fn=loss_fn,
+                                             fxoverlap_run=run, **schedule_kwargs)
     if multi:
         from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
         schedule.register_custom_function(OVERLAP_F_B, functools.partial(_overlap_f_b, schedule))
-    schedule.fxoverlap_stages = registry
-    schedule.fxoverlap_overlap_steps = 0  # OVERLAP_F_B steps run by the custom function
-    schedule.fxoverlap_merged_steps = 0  # of which F and B ran in turns (the rest: F then B)
-    schedule.fxoverlap_merge = merge
-    schedule.fxoverlap_ep_group = ep_group
-    schedule.fxoverlap_dp_group = dp_group
-    schedule.fxoverlap_expert_dp_group = expert_dp_group
-    schedule.fxoverlap_config = config
     return schedule
 
 

@@ -31,6 +31,9 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
     for r in results:
         where = f"rank {r['rank']} stages {r['stages']}"
         assert r["schedule_type"] == schedule and r["is_subclass"], where
+        # fxoverlap's state is in its own objects: nothing _fxoverlap* on pipelining's, the user's
+        # stages left as built (the schedule runs fxoverlap's stages built from them)
+        assert r["parked"] == [] and r["user_stages_untouched"], (where, r["parked"])
         assert not r["missing"], (where, r["missing"])
         assert r["n_grads"] > 0, where
         if bitwise:

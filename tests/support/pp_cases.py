@@ -305,7 +305,8 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
             wgrad_calls["in_W" if in_weight_step[0] else "elsewhere"] += 1
         return orig_call(self, node, stage, mb, cross)
 
-    for st in stages:
+    ours = list(sched.fxoverlap_run.stages.values())  # the stages the schedule runs (built from ours)
+    for st in ours:
         def weight_one_chunk(*a, orig=st.backward_weight_one_chunk, **kw):
             in_weight_step[0] = True
             try:
@@ -384,7 +385,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
         out["losses"] = [float(v.detach()) for v in losses]
         out["ref_losses"] = [float(v) for v in ref_losses]
         out["loss_bitwise"] = all(torch.equal(a.detach(), b) for a, b in zip(losses, ref_losses))
-    out["forward_calls"] = {st.stage_index: st._fxoverlap.forward_calls for st in stages}
+    out["forward_calls"] = {st.stage_index: st.fxoverlap_state.forward_calls for st in ours}
     out["overlap_steps"] = getattr(sched, "fxoverlap_overlap_steps", None)
     out["merged_steps"] = getattr(sched, "fxoverlap_merged_steps", None)
     out["merged_calls"] = [c for c in merged_calls if c is not None]
@@ -394,7 +395,11 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     out["stage_rank"] = None if order is None else dict(sched.stage_index_to_group_rank)
     out["num_stages"] = n_stages
     out["hook_calls"] = len(hook_calls)
-    out["graphs"] = {st.stage_index: len(st._fxoverlap.steps) for st in stages}
+    out["graphs"] = {st.stage_index: len(st.fxoverlap_state.steps) for st in ours}
+    # fxoverlap parks nothing on pipelining's objects: its state is in fxoverlap_run / fxoverlap_state
+    out["parked"] = sorted({n for o in (sched, *ours, *stages) for n in vars(o) if n.startswith("_fxoverlap")})
+    out["user_stages_untouched"] = all(type(st) is pipelining.PipelineStage and st.dw_builder is None
+                                       and "forward_maybe_with_nosync" not in vars(st) for st in stages)
     out["fxoverlap_stages"] = {i: [(str(s.kind), str(s.direction), s.layer) for s in v]
                                for i, v in sched.fxoverlap_stages.items()}
     return out
@@ -495,7 +500,7 @@ def run_edp_case(rank: int, world: int) -> dict:
                                         expert_dp_group=expert_dp_group)
     losses: list = []
     sched.step(x, target=y, losses=losses)
-    red = stage._fxoverlap.reducer
+    red = sched.fxoverlap_run.stages[0].fxoverlap_state.reducer
     return {"rank": rank, **_grad_diff([stage], names, ref),
             "loss_bitwise": len(losses) == n_mb and all(torch.equal(a.detach(), b) for a, b in zip(losses, ref_losses)),
             "expert_params": sorted(k for k, role in red.roles.items() if role == "expert"),
@@ -557,13 +562,14 @@ def run_dp_case(rank: int, world: int, schedule: str, mode: str = "ddp", opts: d
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     # when each stage's dp_group reduction started: (stage, its backwards run in the step by then)
     starts: list[tuple[int, int]] = []
+    stages = list(sched.fxoverlap_run.stages.values())  # the stages the schedule runs (built from ours)
     for st in stages:
-        red = st._fxoverlap.reducer
+        red = st.fxoverlap_state.reducer
         if red is not None:
             orig_start = red.start
 
             def start(st=st, orig=orig_start):
-                starts.append((st.stage_index, st._fxoverlap.backwards))
+                starts.append((st.stage_index, st.fxoverlap_state.backwards))
                 orig()
 
             red.start = start
@@ -576,21 +582,21 @@ def run_dp_case(rank: int, world: int, schedule: str, mode: str = "ddp", opts: d
         sched.step(*((x,) if has_first else ()), **(dict(target=y, losses=losses) if has_last else {}))
     return {"rank": rank, **_grad_diff(stages, names, ref),
             "stages": {i: len(v) for i, v in sched.fxoverlap_stages.items()}, "reduce_starts": starts,
-            "buckets": {st.stage_index: len(st._fxoverlap.reducer.buckets()) for st in stages
-                        if st._fxoverlap.reducer is not None},
+            "buckets": {st.stage_index: len(st.fxoverlap_state.reducer.buckets()) for st in stages
+                        if st.fxoverlap_state.reducer is not None},
             "merged_steps": getattr(sched, "fxoverlap_merged_steps", None),
             "overlap_steps": getattr(sched, "fxoverlap_overlap_steps", None),
             "loss_bitwise": all(torch.equal(a.detach(), b) for a, b in zip(losses, ref_losses)) if has_last else None,
             "n_losses": len(losses),
             # the reduction's roles: the expert parameters it found, and the expected ones, by name
-            "expert_params": sorted(names[id(p)] for st in stages if st._fxoverlap.reducer is not None
+            "expert_params": sorted(names[id(p)] for st in stages if st.fxoverlap_state.reducer is not None
                                     for n, p in st.submod.named_parameters()
-                                    if st._fxoverlap.reducer.roles.get(n) == "expert"),
-            "want_expert_params": sorted(names[id(p)] for st in stages if st._fxoverlap.reducer is not None
+                                    if st.fxoverlap_state.reducer.roles.get(n) == "expert"),
+            "want_expert_params": sorted(names[id(p)] for st in stages if st.fxoverlap_state.reducer is not None
                                          for p in st.submod.parameters() if _is_expert(names[id(p)])),
             # per stage: (group size, divisor, parameters) of each reducer
-            "reducers": {st.stage_index: [(r.size, r.divisor, len(r.params)) for r in st._fxoverlap.reducer.reducers]
-                         for st in stages if st._fxoverlap.reducer is not None},
+            "reducers": {st.stage_index: [(r.size, r.divisor, len(r.params)) for r in st.fxoverlap_state.reducer.reducers]
+                         for st in stages if st.fxoverlap_state.reducer is not None},
             "errors": errors}
 
 
@@ -626,3 +632,19 @@ def dp_error_case(rank: int, world: int) -> dict:
         "ep_outside_dp": error(dp_group=mine, ep_group=dist.group.WORLD),
         "expert_dp_not_group": error(dp_group=mine, expert_dp_group=[0]),
     }
+
+
+def privates_case(rank: int, world: int) -> dict:
+    """Which of ``fxoverlap.pipelining_privates.NEEDED`` the pinned torch lacks: each looked up
+    on ``schedules``, on a multi-stage runtime schedule and on its ``PipelineStage``s (built
+    only; nothing runs). One rank, two stages of a linear layer each."""
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import schedules
+
+    from fxoverlap.pipelining_privates import NEEDED
+
+    stages = [pipelining.PipelineStage(nn.Linear(4, 4), s, 2, torch.device("cpu")) for s in range(2)]
+    sched = pipelining.ScheduleInterleaved1F1B(stages, 2, loss_fn=lambda out, tgt: out.sum())
+    owners = {"schedules": schedules, "schedule": sched, "stage": stages[0], "stage_meta": stages[0]._stage_meta}
+    return {"missing": [f"{where}.{name}" for where, name in NEEDED if not hasattr(owners[where], name)],
+            "checked": len(NEEDED), "runtime": isinstance(sched, schedules._PipelineScheduleRuntime)}
