@@ -31,6 +31,7 @@ ORDER = ["dispatcher", "tag", "side", "rng", "chunk", "recompute", "split", "cud
 # A tiny MoE model on one rank, through optimize (2 microbatches) and, with BACKEND, torch.compile.
 SCRIPT = textwrap.dedent("""
     import os, torch, fxoverlap
+    fxoverlap.enable_dynamic_output_shapes()  # the documented set-up: the dropless dispatch stays in one graph
     from fxoverlap.models import MoEConfig, MoETransformer
     from fxoverlap.testing import token_batches
     torch.manual_seed(0)
