@@ -369,15 +369,14 @@ class ProgramCache(Generic[V]):
     def why_new(self, key: ProgramKey, fn: Callable | None) -> str:
         """Why ``key`` misses: the differences from the most recent key of the same role (and
         the one-time warning when only the function's closure values differ)."""
-        same_role = [k for k in reversed(self._entries) if k.role == key.role]
-        if not same_role:
+        last = next((k for k in reversed(self._entries) if k.role == key.role), None)
+        if last is None:
             return "first call" if not self._entries else f"first {key.role} call"
-        diffs = key.differences(same_role[0])
-        if [d for d in diffs if not d.startswith("the loss/output function")] == [] and code_of(fn) is not None:
-            self._fn_only_misses[code_of(fn)] += 1
-            if self._fn_only_misses[code_of(fn)] >= 2 and not self._warned:
+        where = code_of(fn)
+        if where is not None and dataclasses.replace(key, fn=last.fn) == last:  # only the function differs
+            self._fn_only_misses[where] += 1
+            if self._fn_only_misses[where] >= 2 and not self._warned:
                 self._warned = True
-                where = code_of(fn)
                 warnings.warn(RepeatedRecompileWarning(
                     f"fxoverlap: the function {where.co_name} ({where.co_filename}:{where.co_firstlineno}) keeps "
                     f"arriving with other values in its closure or defaults, and each new one traces and compiles "
@@ -385,7 +384,7 @@ class ProgramCache(Generic[V]):
                     f"the program: pass tensors as part of the microbatch instead, define the function once "
                     f"outside the loop, or set fn.cache_hash to a value that is equal exactly when two functions "
                     f"compute the same"), stacklevel=4)
-        return "; ".join(diffs)
+        return "; ".join(key.differences(last))
 
     def put(self, key: ProgramKey, value: V) -> None:
         self.compiles += 1
