@@ -1,5 +1,8 @@
-"""``python -m fxoverlap.bench`` / ``torchrun -m fxoverlap.bench``: see :mod:`fxoverlap.bench`."""
+"""``python -m fxoverlap.bench [SUBCOMMAND]`` / ``torchrun -m fxoverlap.bench``: see :mod:`fxoverlap.bench.commands`."""
 
-from fxoverlap.bench.run import main
+import sys
 
-main()
+from fxoverlap.bench.commands import main
+
+rc = main()
+sys.exit(rc if isinstance(rc, int) else 0)

@@ -24,7 +24,7 @@ ALL_MODES = MODES + FORWARD_MODES
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m fxoverlap.bench",
+        prog="python -m fxoverlap.bench [run]",
         description="fxoverlap vs eager sequential on the reference MoE model (run under torchrun).",
     )
     shape = p.add_argument_group("shape (defaults: MoEConfig.benchmark(), or MoEConfig.tiny() with --tiny)")

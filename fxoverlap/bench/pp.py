@@ -46,7 +46,7 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fxoverlap.bench.pp", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fxoverlap.bench pp", description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree (ep = world // pp)")
     p.add_argument("--schedule", default="ScheduleDualPipeV", choices=SCHEDULES)
     p.add_argument("--microbatches", type=int, default=8)

@@ -1,6 +1,6 @@
 """GPU check that random ops draw what eager draws (one GPU, one rank).
 
-    python scripts/gpu_rng_check.py
+    python -m fxoverlap.bench rng
 
 The model of tests/support/rng_models.py (dropout in the embedding, attention, a shared
 expert before the router, the experts; a noisy or sampling router) on CUDA, fp32,
@@ -11,26 +11,25 @@ Inductor stages against the same compiled stages run in plain order (Inductor dr
 its own kernels). First a control: eager run twice from one seed, bitwise with itself?
 Prints one JSON line per mode.
 """
+import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
-import fxoverlap  # noqa: E402
-from fxoverlap.models import MoEConfig  # noqa: E402
-from fxoverlap.pipeline import run_plain  # noqa: E402
-from fxoverlap.testing import take_grads, token_batches  # noqa: E402
-from rng_models import RandomTransformer  # noqa: E402
-fxoverlap.enable_dynamic_output_shapes()  # the backend's documented setup: dropless dispatch in the graph
+import fxoverlap
+from fxoverlap.bench.commands import SupportModule
+from fxoverlap.models import MoEConfig
+from fxoverlap.pipeline import run_plain
+from fxoverlap.testing import take_grads, token_batches
+
+rng_models = SupportModule("rng_models")  # tests/support/rng_models.py, imported at first use
 
 CFG = MoEConfig.tiny(n_layers=2, dim=64, n_heads=4, n_experts=8, expert_dim=32, vocab_size=128)
 
 
-def build(router: str) -> RandomTransformer:
+def build(router: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return RandomTransformer(CFG, None, router=router).cuda()
+    return rng_models.RandomTransformer(CFG, None, router=router).cuda()
 
 
 def eager(model, mbs, rounds=2, call=None):
@@ -56,6 +55,8 @@ def compare(name, losses, grads, state, ref) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no flags; --help
+    fxoverlap.enable_dynamic_output_shapes()  # the backend's documented setup: dropless dispatch in the graph
     mbs = token_batches(CFG.vocab_size, 3, device="cuda")
     for router in ("noisy", "sample"):
         model = build(router)

@@ -1,4 +1,4 @@
-"""GPU checks on 2 ranks with NCCL: ``torchrun --nproc-per-node 2 scripts/gpu_checks.py``.
+"""GPU checks on 2 ranks with NCCL: ``torchrun --nproc-per-node 2 -m fxoverlap.bench checks``.
 
 * numerics: bf16 losses and gradients of ``forward_backward`` against eager on the same
   weights and data (dropless, capacity, and dropless with token dedup). Tolerance: gradients are compared by
@@ -26,10 +26,10 @@
   and without AC (the cost of the replay); the same for ``torch.compile(backend="fxoverlap")``
   in a per-microbatch loop. One row per AC setting as it finishes, then the summary.
   Any number of ranks; one GPU is enough:
-  ``torchrun --nproc-per-node 1 scripts/gpu_checks.py --checks ac``.
+  ``torchrun --nproc-per-node 1 -m fxoverlap.bench checks --checks ac``.
 * symm_mem_smoke: the symm_mem transport op by op against ``padded`` (dispatch, combine,
   their backward calls, token-once, more calls than there are buffers); one rank is
-  enough: ``torchrun --nproc-per-node 1 scripts/gpu_checks.py --checks symm_mem_smoke``.
+  enough: ``torchrun --nproc-per-node 1 -m fxoverlap.bench checks --checks symm_mem_smoke``.
 Prints one ``CHECK {...}`` JSON line per result on rank 0; ``--out`` writes them to a file.
 """
 
@@ -51,7 +51,6 @@ import fxoverlap
 from fxoverlap.bench import routing_fields
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import eager_steps, rel_l2, take_grads, token_batches
-fxoverlap.enable_dynamic_output_shapes()  # the backend's documented setup: dropless dispatch in the graph
 
 
 def _batches(cfg, n, mbs, seq, device, seed=0):
@@ -426,12 +425,13 @@ def check_ac(device, emit):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checks", default="numerics,memory,recompute")
     p.add_argument("--out", default=None)
     p.add_argument("--small", action="store_true", help="a small model for the numerics check (e.g. under CSAN)")
     p.add_argument("--routings", default=",".join(ROUTINGS), help="routings of the numerics check")
     args = p.parse_args()
+    fxoverlap.enable_dynamic_output_shapes()  # the backend's documented setup: dropless dispatch in the graph
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

@@ -1,9 +1,9 @@
 """The emulated-EP table from the bench's JSON files (one per mode and configuration).
 
-    python scripts/emulated_table.py DIR [--out FILE.md]
+    python -m fxoverlap.bench table DIR [--out FILE.md]
 
 Reads every ``DIR/*.json`` that ``python -m fxoverlap.bench --emulate-ep N`` wrote
-(scripts/gpu_emulated.sh runs one process per mode) and prints one row per
+(the ``emulated`` and ``rows`` subcommands run one process per mode) and prints one row per
 (EP, link, routing, microbatches, mode): T_step, T_compute (the same mode with no link),
 T_comm (what the emulated link held per step), hidden share =
 (T_compute + T_comm - T_step) / min(T_compute, T_comm), the speed-up over

@@ -7,7 +7,7 @@ train of 2 ms holds on a high-priority stream (the comm stream's), with how long
 (a hold whose blocks wait for SMs ends late: the link's time grows). One H200, bf16. Prints one
 JSON line per row.
 
-    python3 scripts/gpu_carveout_probe.py [--carveouts none,8,16,24] > probe.jsonl
+    python -m fxoverlap.bench carveout [--carveouts none,8,16,24] > probe.jsonl
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GPU check of CUDA graphs (``OverlapConfig(cuda_graphs=True)``) with NCCL:
 
-    torchrun --nproc-per-node N scripts/gpu_cudagraph_check.py [--out results.jsonl]
+    torchrun --nproc-per-node N -m fxoverlap.bench cudagraph [--out results.jsonl]
 
 Any number of GPUs (EP = N). The capacity-routed
 reference model in bf16 (dim 1024, 4 MoE layers, 16 experts top-4, seq 1024,
@@ -11,7 +11,7 @@ graph). Per variant:
 
 * numerics: losses and every parameter gradient against eager, by relative L2 per
   parameter, on the capture step and on two replay steps. Tolerance as in
-  ``scripts/gpu_checks.py``: eager is run twice to measure its own run-to-run noise
+  the ``checks`` subcommand (``fxoverlap/bench/gpu_checks.py``): eager is run twice to measure its own run-to-run noise
   (atomics in index/scatter backward kernels make bf16 sums order-dependent), and
   ``torch.compile(model)`` once for the difference fused kernels make; we require
   rel-L2 <= max(4 x eager noise, 2 x compile-vs-eager, 2^-7). A graph replays the

@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
-"""Markdown tables from a folder of benchmark outputs (scripts/gpu_bench.sh writes one).
+"""Markdown tables from a folder of benchmark outputs (the ``peer`` subcommand writes one).
 
-    python scripts/bench_summary.py DIR
+    python -m fxoverlap.bench summary DIR
 
 Reads every ``DIR/*.json`` that ``python -m fxoverlap.bench --out DIR --name <name>``
-wrote (run ``<name>``, less a leading ``fx_``; scripts/gpu_bench.sh names them
-``fx_<regime>_<routing>``, scripts/gpu_one.sh ``peer_<routing>`` and ``small_<routing>``)
+wrote (run ``<name>``, less a leading ``fx_``; the ``peer`` subcommand names them
+``fx_<regime>_<routing>``, the ``one`` subcommand ``peer_<routing>`` and ``small_<routing>``)
 and ``DIR/peer_<regime>_<routing>_overlap{0,1}.log`` (the ``RESULT {...}`` line of
 ``peer_megatron.py``), and prints:
 
@@ -19,6 +18,7 @@ and ``DIR/peer_<regime>_<routing>_overlap{0,1}.log`` (the ``RESULT {...}`` line 
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -154,11 +154,10 @@ def side_by_side(ours: dict[str, dict], peer: dict[str, dict[int, dict]]) -> lis
                    "peak mem. change Megatron"], rows)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print(__doc__, file=sys.stderr)
-        return 2
-    d = argv[0]
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", help="a folder of bench JSON (and peer logs)")
+    d = p.parse_args(argv).folder
     ours, peer = load_ours(d), load_peer(d)
     lines = ["## fxoverlap (python -m fxoverlap.bench)", "", *ours_table(ours), "",
              "## Every mode (speed-ups against eager and against torch.compile(model))", "",
@@ -171,4 +170,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -1,11 +1,11 @@
 """GPU check of fxoverlap.expert_parallel on transformers MoE families (one GPU, a 1-rank NCCL group).
 
-    python scripts/hf_gpu_check.py
+    python -m fxoverlap.bench hf
 
 Per family and dtype: the unsharded model (transformers' default experts path) vs
 expert_parallel in eager and through fxoverlap.optimize; prints one JSON line each.
 
-    python scripts/hf_gpu_check.py --real [--out DIR] [--models qwen3_moe,...] [--modes ...]
+    python -m fxoverlap.bench hf --real [--out DIR] [--models qwen3_moe,...] [--modes ...]
 
 At released layer shapes (``REAL``: Qwen3-30B-A3B, Moonlight (DeepSeek-V3 MLA), Mixtral-8x7B,
 GPT-OSS-20B, OLMoE-1B-7B layers; 4 layers, vocabulary cut to 32768, 4 microbatches of 1 x 2048
@@ -34,10 +34,11 @@ import argparse, copy, json, os, statistics, subprocess, sys, time, traceback
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
-import hf_cases  # noqa: E402
-import fxoverlap  # noqa: E402
-from fxoverlap.testing import take_grads  # noqa: E402
+import fxoverlap
+from fxoverlap.bench.commands import SupportModule, self_command, subprocess_env
+from fxoverlap.testing import take_grads
+
+hf_cases = SupportModule("hf_cases")  # tests/support/hf_cases.py, imported at first use
 
 SHAPE = dict(hidden_size=256)
 
@@ -269,10 +270,10 @@ def main_real(args) -> None:
                     row = dict(model=name, mode=mode, skipped=f"total budget of {args.budget} s spent")
                 else:
                     log = os.path.join(out_dir, f"{name}_{mode}.log")
-                    cmd = [sys.executable, os.path.abspath(__file__), "--one", name, mode, "--iters", str(args.iters)]
+                    cmd = self_command("hf", "--one", name, mode, "--iters", str(args.iters))
                     try:
                         with open(log, "w") as f:
-                            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
+                            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=subprocess_env(),
                                                   timeout=min(args.timeout, left))
                         f_out = proc.stdout
                         found = [ln for ln in f_out.splitlines() if ln.startswith("RESULT ")]
@@ -293,7 +294,7 @@ def main_real(args) -> None:
 
 
 def cli() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real", action="store_true", help="released layer shapes (see the module docstring)")
     ap.add_argument("--out", help="log and JSON-lines folder (default $OUT)")
     ap.add_argument("--models", help=f"comma-separated, of {tuple(REAL)}")

@@ -1,6 +1,6 @@
 """Data-parallel gradient reduction inside the program, measured: EP 1 x DP N by default.
 
-    torchrun --nproc-per-node N scripts/gpu_dp.py [--shape peer|small|tiny] [--ep 1] [--out DIR]
+    torchrun --nproc-per-node N -m fxoverlap.bench dp [--shape peer|small|tiny] [--ep 1] [--out DIR]
 
 Any world size (1 works: the reductions are one-rank collectives). For each reduce mode
 (``all_reduce``, ``reduce_scatter``), on the same model, weights and data (median of
@@ -25,8 +25,8 @@ sum has one order, so bitwise is expected). ``--csan`` runs one step of each mod
 
 Run on the lent machine (2 GPUs), e.g.:
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 scripts/gpu_dp.py --out $OUT
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 scripts/gpu_dp.py --shape small --csan --out $OUT
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m fxoverlap.bench dp --out $OUT
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m fxoverlap.bench dp --shape small --csan --out $OUT
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where the merged steps F(i+1) x B(i) lose the link's time: per slot, comm against compute,
 and the step's lost share split by where it arises (issue 24, item 3).
 
-    python scripts/slot_balance.py BENCH_JSON [--microbatches N] [--link-gbps 100 --ep 8]
+    python -m fxoverlap.bench slot-balance BENCH_JSON [--microbatches N] [--link-gbps 100 --ep 8]
         [--overlap-config delay_wgrad=1] [--wgrad-share experts=0.5,attn=0.35]
         [--measured-json LINKED_JSON] [--json-out OUT.json]
 
@@ -29,15 +29,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import statistics
-import sys
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from fxoverlap.bench.metrics import (  # noqa: E402
+from fxoverlap.bench.metrics import (
     COMM,
     calls_from_records,
     exchange_hold_ms,

@@ -1,6 +1,6 @@
 """GPU check of DTensor parameters and inputs through fxoverlap.optimize (any number of GPUs).
 
-    torchrun --nproc-per-node 2 scripts/gpu_dtensor_check.py     # or 1
+    torchrun --nproc-per-node 2 -m fxoverlap.bench dtensor     # or 1
 
 The torchtitan-style model of tests/support/titan_models.py (functional-collective EP over
 NCCL) with DTensor weights, as torchtitan's EP leaves them: experts Shard(0) on a CUDA
@@ -10,16 +10,17 @@ CUDA) and "eager" stages. Prints one JSON line per rank and compiler: losses and
 gradients bitwise / max abs diff, and whether every gradient has eager's placements.
 torchtitan itself needs torch >= 2.12 (it does not import on torch 2.11).
 """
-import json, os, sys
+import argparse, json, os
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
-import fxoverlap  # noqa: E402
-from titan_models import TitanTransformer, shard_with_dtensors  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Shard  # noqa: E402
+import fxoverlap
+from fxoverlap.bench.commands import SupportModule
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+titan_models = SupportModule("titan_models")  # tests/support/titan_models.py, imported at first use
 
 
 def local(t):
@@ -27,6 +28,8 @@ def local(t):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no flags; --help
+    TitanTransformer, shard_with_dtensors = titan_models.TitanTransformer, titan_models.shard_with_dtensors
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))

@@ -9,11 +9,11 @@ unsharded model in eager as the reference (each rank computes it for every rank'
 runs in its own process with a timeout. Prints one JSON line per family and, at the end, the
 Markdown table of docs/models.md.
 
-    python scripts/hf_families.py                       # every family below
-    python scripts/hf_families.py jamba dots1           # some
-    python scripts/hf_families.py --modes inductor      # only the Inductor-stage run
-    python scripts/hf_families.py --json out.jsonl ...  # also append the JSON lines to a file
-    python scripts/hf_families.py --table a.jsonl b.jsonl  # the table from saved lines (a family's
+    python -m fxoverlap.bench families                       # every family below
+    python -m fxoverlap.bench families jamba dots1           # some
+    python -m fxoverlap.bench families --modes inductor      # only the Inductor-stage run
+    python -m fxoverlap.bench families --json out.jsonl ...  # also append the JSON lines to a file
+    python -m fxoverlap.bench families --table a.jsonl b.jsonl  # the table from saved lines (a family's
                                                         # modes merged over the files, later ones win)
 
 Tolerances: eager stages, loss within 1e-6 relative and every gradient within 1e-5 of its
@@ -29,14 +29,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import subprocess
-import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests", "support")]  # this checkout's fxoverlap
+from fxoverlap.bench.commands import self_command, subprocess_env, use_support
 
 # Common tiny sizes; only the fields a family's config has are set.
 TINY = dict(
@@ -347,7 +344,7 @@ def table(lines: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("families", nargs="*")
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--no-backend", action="store_true")
@@ -356,6 +353,7 @@ def main() -> None:
     ap.add_argument("--table", nargs="+", help="print the table of the JSON lines in these files and exit")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    use_support()  # tests/support (hf_cases) on sys.path, here and in the spawned ranks
     modes = [m for m in args.modes.split(",") if m and not (args.no_backend and m == "backend")]
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: each of {MODES}, got {args.modes}")
@@ -371,10 +369,10 @@ def main() -> None:
         return
     lines = []
     for family in args.families or list(FAMILIES):
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", family, "--modes", ",".join(modes)]
+        cmd = self_command("families", "--one", family, "--modes", ",".join(modes))
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=subprocess_env())
             found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             line = json.loads(found[-1][7:]) if found else dict(
                 family=family, modes=modes, error=f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:300]}")

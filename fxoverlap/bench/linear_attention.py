@@ -2,8 +2,8 @@
 DeltaNet, transformers' torch fallback ``torch_chunk_gated_delta_rule``) fails its backward under
 ``torch.compile(backend="aot_eager")`` on CPU, alone, with no fxoverlap code involved.
 
-    python scripts/linear_attention_aot_eager.py            # both families
-    python scripts/linear_attention_aot_eager.py qwen3_next
+    python -m fxoverlap.bench linear-attention              # both families
+    python -m fxoverlap.bench linear-attention qwen3_next
 
 Prints, per family, eager's result and what aot_eager raises (the error fxoverlap's capture
 reports for these models, which it traces through AOTAutograd the same way).
@@ -11,13 +11,14 @@ reports for these models, which it traces through AOTAutograd the same way).
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
-import transformers
 
 
 def layer(family: str) -> torch.nn.Module:
+    import transformers  # here: importing this module (--help, the suite's import checks) needs no transformers
+
     fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                   layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
@@ -32,7 +33,9 @@ def layer(family: str) -> torch.nn.Module:
 
 
 def main() -> None:
-    for family in sys.argv[1:] or ["qwen3_next", "qwen3_5_moe"]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("families", nargs="*", choices=("qwen3_next", "qwen3_5_moe"), default=["qwen3_next", "qwen3_5_moe"])
+    for family in p.parse_args().families:
         attn = layer(family)
         x = torch.randn(2, 8, 32, requires_grad=True)
         attn(x).sum().backward()

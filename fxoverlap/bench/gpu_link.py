@@ -1,6 +1,6 @@
 """GPU check of the emulated link's hold kernel (fxoverlap/kernels/emulated_link.py).
 
-    python scripts/gpu_emulated_check.py [--out FILE.jsonl]
+    python -m fxoverlap.bench link [--out FILE.jsonl]
 
 1. ``spin(t)`` alone on a stream lasts t (CUDA events), for t from 20 us to 20 ms.
 2. A GEMM loop on one stream, alone and with holds running on a second stream: the holds'

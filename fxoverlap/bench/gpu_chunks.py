@@ -1,6 +1,6 @@
 """Chunks on one GPU: ``OverlapConfig(chunks=K)`` against ``chunks=1`` and eager, one rank.
 
-    python3 scripts/gpu_chunk_check.py --out $OUT/chunk_check.jsonl
+    python -m fxoverlap.bench chunks --out $OUT/chunk_check.jsonl
 
 1. ``torch._grouped_mm``'s weight gradient gives exact zeros to groups with no rows (a chunk's
    experts stage runs every local expert, the others with no rows, and the chunks' gradients
