@@ -1,6 +1,7 @@
 """The benchmark (``python -m fxoverlap.bench``): its T_serial / T_bound arithmetic
 (``fxoverlap.bench.metrics``), and a CPU smoke run of the real command under torchrun on
-2 gloo ranks for a tiny shape, every mode, tabulated by ``scripts/bench_summary.py``."""
+2 gloo ranks for a tiny shape, every mode, tabulated by the ``summary`` subcommand; the subcommands'
+plumbing (``python -m fxoverlap.bench SUBCOMMAND``: dispatch, ``--help``, the one-process-per-row runner)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 
-from fxoverlap.bench import MODES, parse_args, parse_overlap_config, routing_fields
+from fxoverlap.bench import MODES, commands, parse_args, parse_overlap_config, routing_fields
 from fxoverlap.bench.metrics import (
     ProgramCall,
     call_record,
@@ -32,6 +33,12 @@ from fxoverlap.bench.metrics import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env() -> dict[str, str]:
+    # a child running -m fxoverlap.bench finds this checkout, one thread (2 shared CPU cores)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
 
 
 def _calls():
@@ -192,13 +199,13 @@ def test_stage_timer_records_what_the_link_held():
 
 
 def test_slot_balance_script_on_a_stored_run(tmp_path):
-    """scripts/slot_balance.py on the stored H200 stage timing (4 microbatches, no link): the program
+    """The slot-balance subcommand on the stored H200 stage timing (4 microbatches, no link): the program
     rebuilt on CPU matches the JSON's nodes, and the lost share adds up."""
     out = tmp_path / "sb.json"
     src = os.path.join(ROOT, "docs", "gpu_runs_2026-12-01", "chunks", "stage_timing_chunks1.json")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "slot_balance.py"), src,
+    proc = subprocess.run([sys.executable, "-m", "fxoverlap.bench", "slot-balance", src,
                            "--link-gbps", "100", "--ep", "8", "--json-out", str(out)],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     o = json.loads(out.read_text())
     br = o["breakdown"]
@@ -226,7 +233,7 @@ def test_args():
     assert routing_fields("dedup") == dict(routing="dropless", token_dedup=True)
 
 
-def test_bench_cpu_two_ranks(tmp_path):
+def test_bench_cpu_two_ranks(tmp_path, capsys):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fxoverlap.bench", "--tiny", "--device", "cpu", "--warmup", "1", "--iters", "2",
@@ -242,7 +249,7 @@ def test_bench_cpu_two_ranks(tmp_path):
     assert ts >= tb > 0
     st = r["stage_timing"]
     assert st["slots"] > 0 and st["comm"] > 0 and st["comp"] > 0
-    # every call with its slot and what it reads, for scripts/slot_balance.py
+    # every call with its slot and what it reads, for the slot-balance subcommand
     assert [c["name"] for c in st["calls"]] == list(st["stage_ms"])
     assert any(c["slot"] for c in st["calls"]) and any(c["deps"] for c in st["calls"]) and "hold_ms" not in st
     assert r["overlap_efficiency"] is not None and math.isfinite(r["overlap_efficiency"])
@@ -284,9 +291,10 @@ def test_bench_cpu_two_ranks(tmp_path):
     else:
         assert (out / "smoke_timeline.png").stat().st_size > 0
 
-    # scripts/bench_summary.py tabulates the run: one row per mode, with both speed-ups
-    table = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_summary.py"), str(out)],
-                           capture_output=True, text=True, timeout=60, check=True).stdout
+    # the summary subcommand tabulates the run: one row per mode, with both speed-ups
+    capsys.readouterr()
+    assert commands.main(["summary", str(out)]) == 0
+    table = capsys.readouterr().out
     for mode in MODES:
         row = next(line for line in table.splitlines() if line.startswith(f"| smoke | {mode} |"))
         cells = [c.strip() for c in row.split("|")[1:-1]]
@@ -294,10 +302,10 @@ def test_bench_cpu_two_ranks(tmp_path):
 
 
 def test_pp_bench_cpu_two_ranks(tmp_path):
-    """The PP x EP mode (fxoverlap.bench.pp) on 2 gloo ranks: PP 2 x EP 1, DualPipeV."""
+    """The PP x EP mode (the pp subcommand, fxoverlap.bench.pp) on 2 gloo ranks: PP 2 x EP 1, DualPipeV."""
     out = tmp_path / "pp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "fxoverlap.bench.pp", "--pp", "2", "--schedule", "ScheduleDualPipeV", "--tiny", "--device", "cpu",
+           "-m", "fxoverlap.bench", "pp", "--pp", "2", "--schedule", "ScheduleDualPipeV", "--tiny", "--device", "cpu",
            "--microbatches", "4", "--modes", "eager,fxoverlap", "--warmup", "1", "--iters", "1", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
@@ -313,3 +321,104 @@ def test_pp_bench_cpu_two_ranks(tmp_path):
     assert fx[0]["max_loss_diff_vs_eager"] <= 1e-6
     assert all(len(x["fxoverlap_stages"]) == 2 and x["overlap_f_b_steps"] > 0 for x in fx)
     assert all(x["merged_steps"] == x["overlap_f_b_steps"] for x in fx)
+
+
+# ---------------------------------------------------------------- the subcommands' plumbing (CPU)
+
+
+def test_subcommand_dispatch_keeps_the_benchmark_the_default(capsys):
+    assert commands.split([]) == ("run", [])
+    assert commands.split(["--tiny", "--device", "cpu"]) == ("run", ["--tiny", "--device", "cpu"])
+    assert commands.split(["rows", "--budget", "1"]) == ("rows", ["--budget", "1"])
+    assert commands.split(["run", "--tiny"]) == ("run", ["--tiny"])
+    with pytest.raises(SystemExit, match="unknown subcommand 'nope'"):
+        commands.main(["nope"])
+    commands.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(f"    {name}" in out for name in commands.COMMANDS) and "the subcommand is 'run'" in out
+
+
+def test_every_subcommand_has_help_and_imports_without_side_effects(capsys):
+    """``python -m fxoverlap.bench NAME --help`` for every subcommand, in this process: each module
+    imports on CPU (no CUDA, no tests/support import, no transformers) and leaves Dynamo's config as it was."""
+    import torch._dynamo
+
+    before = torch._dynamo.config.capture_dynamic_output_shape_ops
+    for name, c in commands.COMMANDS.items():
+        with pytest.raises(SystemExit) as e:
+            commands.main([name, "--help"])
+        assert e.value.code == 0, name
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: python -m fxoverlap.bench {'[run]' if name == 'run' else name}"), (name, out[:200])
+    assert torch._dynamo.config.capture_dynamic_output_shape_ops == before
+    assert {"rows", "hf", "checks", "dp", "summary", "slots"} <= set(commands.COMMANDS)
+
+
+def test_runner_time_limit_budget_and_env(tmp_path):
+    from fxoverlap.bench.rows import Runner, Step
+
+    lines = []
+    r = Runner(str(tmp_path), "t", budget_s=100, est_s=30, timeout_s=1, echo=lines.append)
+    code = "import os, sys; print('got', os.environ['FXO_X'], 'PATH' in os.environ); sys.exit(3)"
+    assert r.run(Step("env", [sys.executable, "-c", code], {"FXO_X": "7"}, timeout_s=60)) == 3
+    assert (tmp_path / "env.log").read_text().strip() == "got 7 True"
+    # over its time limit: the process group is ended, status 124 as timeout(1)
+    assert r.run(Step("slow", [sys.executable, "-c", "import time; time.sleep(60)"])) == 124
+    assert r.failed == ["env(rc=3)", "slow(rc=124)"]
+    r.t0 -= 71  # 71 s used + 30 expected > 100: skipped, not started
+    assert r.run(Step("late", [sys.executable, "-c", "raise SystemExit(9)"])) is None
+    assert not (tmp_path / "late.log").exists() and "skip late (budget:" in lines[-1]
+    log = (tmp_path / "t.log").read_text()
+    assert "step env" in log and "FXO_X=7" in log and "failed (rc 124)" in log
+    # gpu_bench.sh's budget: a step gets what is left less a reserve, and is skipped under est_s
+    c = Runner(str(tmp_path), "c", budget_s=100, est_s=45, timeout_s=200, clip_reserve_s=30, echo=lines.append)
+    assert c.limit(Step("a", [])) == pytest.approx(70, abs=2)
+    c.t0 -= 30
+    assert c.limit(Step("a", [])) is None
+
+
+def test_rows_and_emulated_dry_run_commands(tmp_path):
+    """The rows' commands: what scripts/gpu_rows.sh and gpu_emulated.sh ran, one torchrun rank each."""
+    from fxoverlap.bench import rows
+
+    lines = []
+    args = ["--out", str(tmp_path), "--no-install", "--dry-run"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rows.Runner, "say", lambda self, msg: lines.append(msg))
+        assert rows.rows_main(["--rows", "a|fxoverlap|8|chunks=2||TORCH_BLAS_PREFER_CUBLASLT=1;b|compile|4||--emulate-ep 2 --link nvlink|",
+                               *args]) == 0
+        steps = [x for x in lines if x.startswith("step ")]
+        assert len(steps) == 2
+        assert steps[0].startswith("step a (timeout 150s): TORCH_BLAS_PREFER_CUBLASLT=1 ")
+        assert ("-m torch.distributed.run --standalone --nproc-per-node 1 -m fxoverlap.bench run --out "
+                f"{tmp_path} --name a --emulate-ep 8 --link-gbps 100 --routing dropless --microbatches 8 --modes "
+                "fxoverlap --warmup 1 --iters 3 --no-stage-timing --no-grad-check --overlap-config chunks=2") in steps[0]
+        assert "--name b --emulate-ep 2 --link nvlink --microbatches 4 --modes compile" in steps[1]
+        lines.clear()
+        assert rows.emulated_main(["--tiers", "1", "4", *args]) == 0
+        steps = [x for x in lines if x.startswith("step ")]
+        assert steps[0].startswith("step emucheck") and " -m fxoverlap.bench link --out " in steps[0]
+        assert len(steps) == 1 + 14 + 14
+        c2 = next(x for x in steps if x.startswith("step ep8_gbps100_dropless_mb8_fwd_backend_c2 "))
+        assert "--link-gbps 100 --skew 1.0 --routing dropless --microbatches 8 --modes fwd_backend" in c2
+        assert c2.endswith("--overlap-config chunks=2")
+    with pytest.raises(SystemExit, match="is not name"):
+        rows.parse_rows(["only|two"])
+    assert [r.name for r in rows.parse_rows(["a|m|8\n\n b | m | 4 | x=1 | --f | E=1"])] == ["a", "b"]
+
+
+def test_rows_cpu_one_process_per_row(tmp_path):
+    """A real row on CPU (tiny shape, emulated EP 2) in its own process, its table excerpt in the log,
+    and the emulated table of the folder."""
+    out = tmp_path / "rows"
+    row = "cpu|fxoverlap|2|chunks=1|--tiny --device cpu --emulate-ep 2 --link nvlink|OMP_NUM_THREADS=1"
+    # the runner in this process (python -m fxoverlap.bench rows ...), the row in its own
+    assert commands.main(["rows", "--rows", row, "--out", str(out), "--no-install", "--launcher", "python",
+                          "--warmup", "0", "--iters", "1", "--budget", "300", "--timeout", "240"]) == 0
+    assert (out / "cpu.log").exists(), (out / "gpu_rows.log").read_text()
+    r = json.loads((out / "cpu.json").read_text())
+    assert r["emulation"]["ep"] == 2 and r["modes"]["fxoverlap"]["T_step_ms"] > 0
+    assert r["run"]["overlap_config"]["chunks"] == 1
+    log = (out / "gpu_rows.log").read_text()
+    assert "row cpu: modes fxoverlap, 2 microbatches" in log and "mode (emulated)" in log and "failed" not in log
+    assert "| 2 | nvlink | dropless | 2 |" in (out / "emulated_table.md").read_text()

@@ -162,13 +162,22 @@ def install(runner: Runner) -> None:
 
 
 def log_versions(runner: Runner) -> None:
-    """torch, triton and the GPU, in the runner's log."""
-    if runner.dry:
-        return
-    code = ("import torch\ntry:\n    import triton; t = triton.__version__\nexcept ImportError:\n    t = '-'\n"
-            "print(torch.__version__, t, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    runner.say("torch " + ((proc.stdout or proc.stderr).strip().splitlines() or ["?"])[-1])
+    """torch, triton and the GPU, in the runner's log (the GPU's name from a child process: this one
+    holds no CUDA context while the rows run)."""
+    import torch
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "-"
+    gpu = "no GPU"
+    if torch.cuda.is_available() and not runner.dry:
+        proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+                              capture_output=True, text=True)
+        gpu = ((proc.stdout or proc.stderr).strip().splitlines() or ["?"])[-1]
+    runner.say(f"torch {torch.__version__} {tv} {gpu}")
 
 
 def _common(p: argparse.ArgumentParser, *, out: str, budget: float, est: float, timeout: float) -> None:
