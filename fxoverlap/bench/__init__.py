@@ -77,7 +77,11 @@ The package, one concern per module:
 * :mod:`~fxoverlap.bench.plot`: the timeline PNG; :mod:`~fxoverlap.bench.report`: the text summary;
 * :mod:`~fxoverlap.bench.cli`: the flags (``parse_args``, ``parse_overlap_config``,
   ``routing_fields``, ``model_config``);
-* :mod:`~fxoverlap.bench.run`: :class:`Bench` (one run), process-group setup and ``main``.
+* :mod:`~fxoverlap.bench.run`: :class:`Bench` (one run), process-group setup and ``main``;
+* :mod:`~fxoverlap.bench.commands`: ``python -m fxoverlap.bench [SUBCOMMAND]``, every other GPU
+  measurement and check as a subcommand (``run``, the above, is the default);
+  :mod:`~fxoverlap.bench.rows` runs one process per row within a time budget (``rows``,
+  ``emulated``, ``slots``, ``one``, ``peer``).
 
 Nothing in the library imports this package.
 """

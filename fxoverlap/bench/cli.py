@@ -1,7 +1,7 @@
 """The benchmark's flags, and what they make: the ``OverlapConfig`` and the ``MoEConfig``.
 
-``python -m fxoverlap.bench --help`` lists every flag; docs/benchmarks.md says how
-to run it on CPU and on the GPU machine.
+``python -m fxoverlap.bench run --help`` lists every flag (``run`` is the default subcommand,
+:mod:`fxoverlap.bench.commands`); docs/benchmarks.md says how to run it on CPU and on the GPU machine.
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ class Bench:
         out["per_rank"] = [serial_and_bound(calls, t) for t in per_rank]
         out["stage_ms"] = combined
         out["stage_ms_per_rank"] = per_rank
-        # the program's calls (slot, stream, what each reads), for scripts/slot_balance.py
+        # the program's calls (slot, stream, what each reads), for the slot-balance subcommand
         out["calls"] = [call_record(c) for c in calls]
         if holds:  # with an emulated link: what it held each comm call for (this rank), inside stage_ms
             out["hold_ms"] = holds
