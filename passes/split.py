@@ -25,7 +25,8 @@ together, so each chunk's weight gradient, which feeds the chunks' sum, is in it
 Steps
 -----
 1. Group the tagged nodes by tag; with ``delay_wgrad``, cut the weight-gradient part
-   off each backward attn/experts/mlp group (``_wgrad_part``).
+   off each backward attn/experts/mlp group (``_wgrad_part``); a multi-output op's
+   getitems and a view that only passes a value on go with the node they read.
 2. Per group in plain order: inputs and outputs (``stage_boundary``), the stage
    graph (``build_stage_module``), capturability (``not_capturable_reason``).
 3. Check that no stage reads a value a later stage produces (``_check_order``).
@@ -145,6 +146,9 @@ def not_capturable_reason(name: str, kind: StageKind, gm: torch.fx.GraphModule) 
             return f"stage {name}: data-dependent shape at node {n.name} ({op_name(n)})"
         if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
             return f"stage {name}: in-place op at node {n.name} ({op_name(n)}) mutates an input"
+    for n in gm.graph.find_nodes(op="placeholder"):
+        if _has_unbacked_shape(n):  # a graph's static copy of it has one row count; the next call's differs
+            return f"stage {name}: data-dependent shape of input {n.target}"
     if not launches_kernel(gm):
         return f"stage {name}: only views and metadata ops, nothing to capture"
     return None
@@ -175,6 +179,7 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
                     groups[t] = [n for n in nodes if n not in wset]
                     groups[t.with_part(Part.WGRAD)] = w
     _keep_results_with_their_op(groups)
+    _keep_passing_views_with_their_input(groups)
     stages = []
     for t in sorted(groups, key=lambda k: k.sort_key(num_layers)):
         nodes = groups[t]
@@ -218,6 +223,31 @@ def _keep_results_with_their_op(groups: dict[Tag, list[torch.fx.Node]]) -> None:
         groups[t].sort(key=order.get)
         if not groups[t]:
             del groups[t]
+
+
+def _keep_passing_views_with_their_input(groups: dict[Tag, list[torch.fx.Node]]) -> None:
+    """Move each view that only passes a value on (its one input made by another stage, no
+    user in its own stage) into its input's stage: the value then crosses one boundary as
+    the view, instead of into a stage that only re-views it (a Hugging Face model's expert
+    weight gradients, transposed back to the parameter's layout, were read by the backward
+    attn stage, whose CUDA graph then had to copy them in). A view launches nothing; its
+    new stage runs before its old one and before every stage that reads it."""
+    group_of = {n: t for t, nodes in groups.items() for n in nodes}
+    moved = False
+    for n, t in list(group_of.items()):
+        ins = n.all_input_nodes
+        if (not (isinstance(n.target, torch._ops.OpOverload) and n.target.is_view)
+                or not isinstance(n.meta.get("val"), torch.Tensor) or len(ins) != 1
+                or group_of.get(ins[0]) in (None, t) or any(group_of.get(u) == t for u in n.users)):
+            continue
+        group_of[n] = group_of[ins[0]]
+        moved = True
+    if not moved:
+        return
+    order = {n: i for i, n in enumerate(next(iter(groups.values()))[0].graph.nodes)}
+    groups.clear()
+    for n in sorted(group_of, key=order.get):
+        groups.setdefault(group_of[n], []).append(n)
 
 
 def _check_order(stages: list[Stage]) -> None:

@@ -572,3 +572,35 @@ def test_graphed_stages_that_draw_give_eager_numbers(fake_cuda):
     assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
     assert torch.equal(state, torch.get_rng_state())
     engine.close()
+
+
+def test_a_view_that_only_passes_a_value_on_stays_with_its_producer():
+    """transformers' experts hold their weights transposed, so the experts' weight gradients
+    leave the backward as transposes of fxoverlap's grouped-GEMM gradients. Such a view is cut
+    into the stage that makes its input (``split``): no stage reads a value only to re-view it
+    for another stage or the step's output, which a CUDA graph would copy in at every replay
+    (at Qwen3-30B-A3B's shape, 96 MiB per layer, which kept every stage ungraphed)."""
+    import hf_cases
+    from fxoverlap.kernels.emulated_link import EmulatedGroup
+
+    model = fxoverlap.expert_parallel(hf_cases.build("qwen3_moe"), EmulatedGroup(None))
+    ids = torch.randint(0, hf_cases.VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    hf_cases.next_token_loss(torch.compile(model, backend="fxoverlap")(ids), ids).backward()
+    stages = fxoverlap.backend.last_stages()
+    produced = {v for s in stages for v in s.outputs}
+    passing = []
+    for s in stages:
+        g = s.graph_module.graph
+        outs = set(next(iter(g.find_nodes(op="output"))).args[0])
+        for n in g.nodes:
+            ins = n.all_input_nodes
+            if (isinstance(n.target, torch._ops.OpOverload) and n.target.is_view and len(ins) == 1
+                    and ins[0].op == "placeholder" and ins[0].target in produced and n.users and set(n.users) <= {next(iter(g.find_nodes(op="output")))}
+                    and n in outs):
+                passing.append((s.name, n.name, ins[0].target))
+    assert passing == []
+    experts_bwd = [s for s in stages if s.kind is StageKind.EXPERTS and s.direction.name == "BWD"]
+    assert experts_bwd and all(any(n.target is torch.ops.aten.transpose.int for n in s.graph_module.graph.nodes)
+                               for s in experts_bwd)
+    torch._dynamo.reset()
