@@ -87,8 +87,13 @@ class FunctionalChain(_Chain):
     def ep(self) -> int:
         return self.ep_size
 
+    @property
+    def splits(self) -> set[torch.fx.Node]:
+        """The token exchange's split sizes that are host values (each chunk has its own)."""
+        return {v for v in (*self.dispatch.args[1], *self.dispatch.args[2]) if isinstance(v, torch.fx.Node)}
+
     def sources(self) -> set[torch.fx.Node]:
-        out = {*self.tokens.nodes, self.recv_counts, *self.per_chunk}
+        out = {*self.tokens.nodes, self.recv_counts, *self.per_chunk, *self.splits}
         return out | (set(self.bwd_in.nodes) if self.bwd_in is not None else set())
 
 
@@ -179,12 +184,13 @@ def _per_chunk(chain: FunctionalChain, disp: list[torch.fx.Node]) -> list[torch.
                 derived.add(u)
                 todo.append(u)
     experts = set(chain.fwd_experts) | set(chain.bwd_experts)
-    need, todo = set(), [a for n in experts for a in n.all_input_nodes if a in derived]
+    splits = chain.splits  # the chunk's own (Dynamo's graphs read them, e.g. for the received rows)
+    need, todo = set(), [a for n in experts for a in n.all_input_nodes if a in derived and a not in splits]
     while todo:
         n = todo.pop()
         if n not in need:
             need.add(n)
-            todo.extend(a for a in n.all_input_nodes if a in derived)
+            todo.extend(a for a in n.all_input_nodes if a in derived and a not in splits)
     for n in need:
         if not isinstance(n.meta.get("val"), torch.Tensor):
             raise _CannotCut(f"its experts read {n.name} ({op_name(n)}), a host value of the exchanged counts: "
@@ -275,6 +281,8 @@ def cut(gm: torch.fx.GraphModule, chain: FunctionalChain, chunks: int) -> None:
             counts_c = call(aten.slice_scatter.default, call(aten.zeros_like.default, got, tag=td, like=got), mine,
                             1, lo, hi, tag=td, like=got)
             env = {tx.a2a: sent_c, **dict.fromkeys(tx.waits, waited), got: counts_c}
+            for whole, mine in ((out_splits, recv[c]), (in_splits, send[c])):
+                env.update((w, m) for w, m in zip(whole, mine) if isinstance(w, torch.fx.Node))
             for n in chain.per_chunk + chain.fwd_rows:
                 _copy(g, n, env, c)
             backs.append(exchange(env[chain.combine.args[0]], send[c], recv[c], Tag(F, L, K.COMBINE, chunk=c),

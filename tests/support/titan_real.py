@@ -201,21 +201,34 @@ def forward_only_vs_eager(family: str, ep: int, n: int, rank: int = 0) -> dict:
     return dict(bitwise=all(torch.equal(a, b) for a, b in zip(got, want)), calls=calls)
 
 
-def backend_vs_eager(family: str, n: int) -> dict:
-    """``torch.compile(model, backend="fxoverlap")`` with ``loss.backward()`` per microbatch vs
-    eager on a twin (one rank), with the backward cut into a segment per gradient hand-out."""
+def local_experts(model: nn.Module) -> nn.Module:
+    """Each DTensor parameter (torchtitan's ``Shard(0)`` expert weights under EP) replaced by a plain
+    parameter of this rank's shard: the backend takes plain tensors only (it falls back on a
+    DTensor graph input; ``optimize`` takes them). torchtitan's experts run either kind, and the
+    token dispatcher and its all-to-alls are unchanged."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if hasattr(p, "to_local"):
+                setattr(module, name, nn.Parameter(p.to_local().detach().clone()))
+    return model
+
+
+def backend_vs_eager(family: str, n: int, ep: int = 1, rank: int = 0, options: dict | None = None) -> dict:
+    """``torch.compile(model, backend="fxoverlap", options=options)`` with ``loss.backward()`` per
+    microbatch vs eager on a twin (with ``ep > 1``: both parallelized by torchtitan, then
+    :func:`local_experts`), the backward cut into a segment per gradient hand-out."""
     import warnings
 
     import fxoverlap.backend as fxb
 
-    eager, model = build(family), build(family)
+    eager, model = local_experts(build(family, ep)), local_experts(build(family, ep))
     torch._dynamo.reset()
     fxb.reset()
-    compiled = torch.compile(model, backend="fxoverlap")
+    compiled = torch.compile(model, backend="fxoverlap", options=options or {})
     losses_equal = []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _scalar_outputs():
         warnings.simplefilter("error", fxb.FallbackWarning)
-        for mb in batches(0, n):
+        for mb in batches(rank, n):
             ref = next_token_loss(eager(*mb), *mb)
             ref.backward()
             loss = next_token_loss(compiled(*mb), *mb)
@@ -224,6 +237,36 @@ def backend_vs_eager(family: str, n: int) -> dict:
     step = fxb.last_compiled()
     return dict(losses_equal=losses_equal, **compare(model, eager), segments=len(step._segments),
                 stages=[(s.name, str(s.kind), str(s.stream)) for s in step.stages])
+
+
+def backend_forward_only(family: str, ep: int, rank: int = 0, options: dict | None = None) -> dict:
+    """The backend under ``torch.no_grad()`` (the prefill case) vs the model's own forward under
+    ``no_grad``, same weights: whether the logits are bitwise, and the compiled stages."""
+    import warnings
+
+    import fxoverlap.backend as fxb
+
+    model = local_experts(build(family, ep))
+    mbs = batches(rank, 2)
+    torch._dynamo.reset()
+    fxb.reset()
+    compiled = torch.compile(model, backend="fxoverlap", options=options or {})
+    with torch.no_grad(), warnings.catch_warnings(), _scalar_outputs():
+        warnings.simplefilter("error", fxb.FallbackWarning)
+        want = [_first(model(*mb)) for mb in mbs]
+        got = [_first(compiled(*mb)) for mb in mbs]
+    return dict(bitwise=all(torch.equal(a, b) for a, b in zip(got, want)),
+                stages=[(s.name, str(s.kind), str(s.stream)) for s in fxb.last_stages()])
+
+
+def _scalar_outputs():
+    """Dynamo traces ``.tolist()`` of the split sizes into the graph, as torchtitan's own compile
+    sets it (``torchtitan.distributed.compile``); without it EP breaks the graph at each MoE layer."""
+    return torch._dynamo.config.patch(capture_scalar_outputs=True)
+
+
+def _first(logits):
+    return logits[0] if isinstance(logits, list) else logits
 
 
 def fsdp_error(world: int) -> str:
