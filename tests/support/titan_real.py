@@ -89,10 +89,10 @@ def deepseek_v3_config(n_layers: int = 3, dim: int = 32, experts: int = 4, top_k
 CONFIGS = {"qwen3_moe": qwen3_moe_config, "deepseek_v3": deepseek_v3_config}
 
 
-def build(family: str, ep: int = 1, seed: int = 0) -> nn.Module:
+def build(family: str, ep: int = 1, seed: int = 0, experts: int = 4) -> nn.Module:
     """A torchtitan model in training mode, initialised from ``seed``; with ``ep > 1`` (every
     rank of the default group in one EP group) parallelized by torchtitan itself."""
-    cfg = CONFIGS[family]()
+    cfg = CONFIGS[family](experts=experts)
     if ep > 1:
         import torchtitan.distributed.parallel_dims as parallel_dims
         from torchtitan.distributed import ParallelDims
@@ -170,10 +170,10 @@ def full_activation_checkpointing(model: nn.Module) -> nn.Module:
 
 
 def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: bool = False,
-                   wrap=lambda model: model, config: dict | None = None) -> dict:
+                   wrap=lambda model: model, config: dict | None = None, experts: int = 4) -> dict:
     """``engine.forward_backward`` over ``n`` microbatches vs eager ``loss.backward()`` per
     microbatch, on two copies of the same model built from the same seed (then ``wrap``ped)."""
-    eager, model = wrap(build(family, ep)), wrap(build(family, ep))
+    eager, model = wrap(build(family, ep, experts=experts)), wrap(build(family, ep, experts=experts))
     mbs = batches(rank, n)
     ref_losses = []
     for mb in mbs:
@@ -188,14 +188,14 @@ def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: boo
                 eager_counted={k: float(_local(b).sum()) for k, b in eager.named_buffers() if "tokens_per_expert" in k})
 
 
-def forward_only_vs_eager(family: str, ep: int, n: int, rank: int = 0) -> dict:
+def forward_only_vs_eager(family: str, ep: int, n: int, rank: int = 0, config: dict | None = None) -> dict:
     """``engine.forward_only`` over ``n`` microbatches (in pairs) vs the model's own forward under
     ``no_grad``, same weights: whether the logits are bitwise, and the program's stage calls."""
     model = build(family, ep)
     mbs = batches(rank, n)
     with torch.no_grad():
         want = [model(*mb) for mb in mbs]
-    engine = fxoverlap.optimize(model, dist.group.WORLD if ep > 1 else None)
+    engine = fxoverlap.optimize(model, dist.group.WORLD if ep > 1 else None, fxoverlap.OverlapConfig(**(config or {})))
     got = engine.forward_only(mbs)
     calls = [n.name for n in engine.program.graph.nodes if n.op == "call_module"]
     return dict(bitwise=all(torch.equal(a, b) for a, b in zip(got, want)), calls=calls)
