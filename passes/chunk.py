@@ -15,7 +15,9 @@ Contract
 --------
 Assumes: the tagged joint graph (``tag``, ``side``, ``rng``), or the forward alone. A layer
 is cut when its exchange is fxoverlap's generic pair (``fxoverlap::dispatch`` /
-``fxoverlap::combine``, lowered by the ``all_to_all`` dispatcher): its dispatch and combine
+``fxoverlap::combine``, lowered by the ``all_to_all`` dispatcher), or torch's functional
+``all_to_all_single`` as torchtitan's token dispatcher traces it (``chunk_functional``, which
+states its own contract and builds on this module's checks): its dispatch and combine
 stages hold only those ops, its experts read only the dispatch's outputs, parameters and
 (backward) the saved forward experts values and the gradient the backward combine brings,
 its experts are read only by the combine, the backward and (backward) the parameter

@@ -255,6 +255,8 @@ def cut(gm: torch.fx.GraphModule, chain: FunctionalChain, chunks: int) -> None:
         for lo, _ in bounds[1:]:
             ge = call(aten._to_copy.default, call(aten.ge.Scalar, lid, lo), dtype=torch.long)
             cid = ge if cid is None else call(aten.add.Tensor, cid, ge)
+        if not isinstance(rows, int):  # a dynamic batch: its size as the graph has it
+            rows = call(aten.sym_size.int, x, 0)
         expert = call(aten.repeat_interleave.Tensor, call(aten.reshape.default, sent, [-1]), output_size=rows)
         perm = call(operator.getitem, call(aten.sort.stable, call(aten.index.Tensor, cid, [expert]), stable=True), 1)
         inv = call(operator.getitem, call(aten.sort.stable, perm, stable=True), 1)
