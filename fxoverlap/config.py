@@ -190,10 +190,11 @@ class OverlapConfig:
             losses, the loss) still runs once on all of them, and each expert's rows stay in
             one chunk, so the weight gradients are eager's sums. ``1``: off. ``None``:
             :data:`DEFAULT_CUDA_CHUNKS` on CUDA, 1 on CPU (where nothing overlaps; the CPU
-            results stay bitwise eager's). A layer whose exchange is not fxoverlap's
-            ``dispatch``/``combine`` (torchtitan's functional all-to-all, token-once, the
-            static dispatchers), or whose experts draw random numbers, runs unchunked, and
-            the compile log says why.
+            results stay bitwise eager's). Cut: fxoverlap's ``dispatch``/``combine``, and
+            torch's functional ``all_to_all_single`` with host split sizes, as torchtitan's
+            ``AllToAllTokenDispatcher`` traces (``passes/chunk_functional.py``). A layer whose
+            exchange is neither (token-once, the static dispatchers, DeepEP), or whose experts
+            draw random numbers, runs unchunked, and the compile log says why.
         chunks_in_merged_steps: also run the chunks in the merged steps F(i+1) ⊗ B(i) of
             ``optimize``'s 1F1B program, where the other microbatch already hides the
             exchanges and chunks only add their cost (smaller GEMMs, the rows' copies).

@@ -15,7 +15,9 @@ Contract
 --------
 Assumes: the tagged joint graph (``tag``, ``side``, ``rng``), or the forward alone. A layer
 is cut when its exchange is fxoverlap's generic pair (``fxoverlap::dispatch`` /
-``fxoverlap::combine``, lowered by the ``all_to_all`` dispatcher): its dispatch and combine
+``fxoverlap::combine``, lowered by the ``all_to_all`` dispatcher), or torch's functional
+``all_to_all_single`` as torchtitan's token dispatcher traces it (``chunk_functional``, which
+states its own contract and builds on this module's checks): its dispatch and combine
 stages hold only those ops, its experts read only the dispatch's outputs, parameters and
 (backward) the saved forward experts values and the gradient the backward combine brings,
 its experts are read only by the combine, the backward and (backward) the parameter
@@ -101,6 +103,10 @@ class _Chain:
     def ep(self) -> int:
         return a2a.world_size(a2a.resolve_group(self.dispatch.args[2]))
 
+    def sources(self) -> set[torch.fx.Node]:
+        """What the exchanges bring the experts (each chunk has its own)."""
+        return {self.received, self.recv_counts} | ({self.bwd_grad} if self.bwd_grad is not None else set())
+
 
 def _tag(n: torch.fx.Node) -> Tag | None:
     return n.meta.get(TAG_KEY)
@@ -182,7 +188,7 @@ def _check_boundaries(chain: _Chain, static: set[str]) -> None:
         if RNG_ORDER_KEY in n.meta:
             raise _CannotCut(f"its experts draw random numbers ({n.name}, {op_name(n)}): chunks would change "
                              f"what they draw")
-    sources = {chain.received, chain.recv_counts} | ({chain.bwd_grad} if chain.bwd_grad is not None else set())
+    sources = chain.sources()
     rows, todo = set(), [u for s_ in sources for u in s_.users]
     while todo:  # everything in the experts that depends on what the exchanges bring
         n = todo.pop()
@@ -355,6 +361,8 @@ def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset())
     """Cut every layer that can be cut into ``chunks`` chunks along its local experts.
     ``static``: the placeholders of parameters and buffers (values read by the experts that
     come from them alone, e.g. a transposed weight, are shared by every chunk)."""
+    from fxoverlap.passes import chunk_functional  # it builds on this module's helpers
+
     if chunks <= 1:
         return Chunking(gm, 1, [], {})
     skipped: dict[int, str] = {}
@@ -369,12 +377,13 @@ def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset())
         for layer in layers:
             if layer in skipped:
                 continue
+            functional = any(n.target is chunk_functional.A2A for n in by_tag.get((F, layer, K.DISPATCH), []))
             try:
-                chain = _find_chain(by_tag, layer, chunks, static)
+                chain = (chunk_functional.find_chain if functional else _find_chain)(by_tag, layer, chunks, static)
             except _CannotCut as why:
                 skipped[layer] = str(why)
                 continue
-            _cut(out, chain, chunks)
+            (chunk_functional.cut if functional else _cut)(out, chain, chunks)
             cut.append(layer)
         _sort(out.graph)
         out.graph.lint()

@@ -12,8 +12,9 @@ experts. Against eager PyTorch on the same weights and data (2 gloo ranks unless
 - the ``torch.compile`` backend (one microbatch per call), and forward-only calls
   (``engine(x)``, the backend under ``no_grad`` + ``eval``): logits within 1e-6;
 - a Hugging Face family after ``expert_parallel`` (Qwen3-MoE), optimize and backend;
-- torchtitan's Qwen3-MoE with its own EP: its functional all-to-alls are not cut; the
-  layers stay whole, the log says why, the step stays bitwise;
+- torchtitan's Qwen3-MoE and DeepSeek-V3 with their own EP (functional all-to-alls, host split
+  sizes; ``passes/chunk_functional.py``): optimize (2, 3 and 4 chunks), the backend forward and
+  backward, the backend under ``no_grad``, forward-only pairs: every MoE layer cut, bitwise eager;
 - experts that draw random numbers stay whole (their draws would change); with the experts'
   dropout off the layers are cut while the embedding, attention, shared expert and router
   draw: losses bitwise, and the generator ends where eager's does;
@@ -154,19 +155,95 @@ def test_hugging_face_family():
         assert r["forward_only_bitwise"]  # engine.forward_only's pair and odd one: eager's logits
 
 
-def test_torchtitan_all_to_alls_stay_whole():
+TITAN_MOE_LAYERS = {"qwen3_moe": [0, 1], "deepseek_v3": [1, 2]}  # DeepSeek-V3's first layer is dense
+
+
+def _titan() -> list[dict]:
     pytest.importorskip("torchtitan.models.qwen3", reason="torchtitan 0.3.0 is not installed")
-    for r in run_distributed(chunk_cases.titan_two_ranks):
-        assert r["losses_equal"] == [True, True]
-        assert all(v is True for v in r["grads"].values())
-        assert not any("_c0" in name for name in r["stage_names"])
-        assert r["log"] and "left whole: layer 0: its forward dispatch stage is not one fxoverlap.dispatch" in r["log"][0]
-        assert "_c10d_functional.all_to_all_single" in r["log"][0]
-        # forward-only: the two microbatches in a pair, torchtitan's all-to-alls included
-        fo = r["forward_only"]
+    return run_distributed_once(chunk_cases.titan_two_ranks)
+
+
+def _titan_exact(r: dict) -> None:
+    assert r["losses_equal"] and all(r["losses_equal"]), r["losses_equal"]
+    assert r["grads"] and all(v is True for v in r["grads"].values()), {k: v for k, v in r["grads"].items() if v is not True}
+
+
+def _dispatch_stages(names, layer: int, direction: str = "fwd") -> list[str]:
+    return [n for n in names if n.startswith(f"{direction}_l{layer}_dispatch")]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_torchtitan_optimize_cuts_its_all_to_alls(family):
+    """torchtitan's own EP (functional all_to_all_single, host split sizes) through ``optimize`` with
+    chunks=2, 3 microbatches: every MoE layer cut, its exchanges on the comm stream, and the step
+    bitwise eager's (losses, every gradient and its DTensor kind, the load-balance buffers): each
+    chunk runs the layer's own ops on its rows, and each expert's rows are in one chunk."""
+    for rank in _titan():
+        r = rank[f"{family}/optimize"]
+        _titan_exact(r)
+        assert r["buffers"] and all(r["buffers"].values()), r["buffers"]
+        assert r["misplaced"] == {}, r["misplaced"]
+        assert not r["log"], r["log"]  # nothing left whole
+        for i in TITAN_MOE_LAYERS[family]:
+            # the chunks (microbatches 0 and 2) and the whole exchange (microbatch 1, merged steps)
+            assert _dispatch_stages(r["stage_names"], i) == [f"fwd_l{i}_dispatch_c0", f"fwd_l{i}_dispatch_c1",
+                                                             f"fwd_l{i}_dispatch"], r["stage_names"]
+            assert f"bwd_l{i}_dispatch_c1" in r["stage_names"] and f"fwd_l{i}_experts_c1" in r["stage_names"]
+            # chunk 0: the counts exchange and the first chunk's rows; chunk 1: its rows; backward one each
+            assert {k: v for k, v in r["comm_stages"].items() if f"_l{i}_" in k and k[-1].isdigit()} == {
+                f"{d}_l{i}_{kind}_c{c}": 2 if (d, kind, c) == ("fwd", "dispatch", 0) else 1
+                for d in ("fwd", "bwd") for kind in ("dispatch", "combine") for c in (0, 1)}, r["comm_stages"]
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_torchtitan_more_chunks(k):
+    """8 experts (4 local): 3 chunks (uneven, 1 + 1 + 2 local experts) and 4, bitwise eager's."""
+    for rank in _titan():
+        r = rank[f"qwen3_moe/chunks={k}"]
+        _titan_exact(r)
+        for i in TITAN_MOE_LAYERS["qwen3_moe"]:
+            assert _dispatch_stages(r["stage_names"], i) == [f"fwd_l{i}_dispatch_c{c}" for c in range(k)] + [
+                f"fwd_l{i}_dispatch"], r["stage_names"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_torchtitan_backend_chunks(family):
+    """``torch.compile(model, backend="fxoverlap", options={"chunks": 2})`` on torchtitan's EP model
+    (its expert shards as plain parameters: the backend takes no DTensor): no fallback, each MoE
+    layer's forward and backward in 2 chunks, losses and gradients bitwise eager's over 2 steps."""
+    for rank in _titan():
+        r = rank[f"{family}/backend"]
+        _titan_exact(r)
+        names = [s[0] for s in r["stages"]]
+        for i in TITAN_MOE_LAYERS[family]:
+            assert _dispatch_stages(names, i) == [f"fwd_l{i}_dispatch_c0", f"fwd_l{i}_dispatch_c1"], names
+            assert _dispatch_stages(names, i, "bwd") == [f"bwd_l{i}_dispatch_c0", f"bwd_l{i}_dispatch_c1"], names
+        comm = {s[0]: s[2] for s in r["stages"] if s[1] in ("dispatch", "combine")}
+        assert set(comm.values()) == {"comm"}, comm
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_torchtitan_backend_forward_only_chunks(family):
+    """The backend under ``torch.no_grad()`` (the prefill case), chunks=2: each MoE layer's forward in
+    2 chunks, logits bitwise the model's own."""
+    for rank in _titan():
+        r = rank[f"{family}/no_grad"]
+        assert r["bitwise"]
+        names = [s[0] for s in r["stages"]]
+        assert not any(n.startswith("bwd_") for n in names), names
+        for i in TITAN_MOE_LAYERS[family]:
+            assert _dispatch_stages(names, i) == [f"fwd_l{i}_dispatch_c0", f"fwd_l{i}_dispatch_c1"], names
+
+
+def test_torchtitan_forward_only_pairs_and_odd_chunks():
+    """``engine.forward_only`` with chunks=2 over 3 microbatches: the pair runs torchtitan's whole
+    all-to-alls, each under the other's compute; the odd one its chunks. Logits bitwise."""
+    for rank in _titan():
+        fo = rank["forward_only"]
         assert fo["bitwise"]
         calls = [c for c in fo["calls"] if c.startswith(("F0_l0_", "F1_l0_"))]
         assert calls.index("F1_l0_dispatch") < calls.index("F0_l0_experts"), calls
+        assert {c for c in fo["calls"] if c.startswith("F2_l0_dispatch")} == {"F2_l0_dispatch_c0", "F2_l0_dispatch_c1"}
 
 
 def test_random_experts_stay_whole():

@@ -194,11 +194,22 @@ def hf_family(rank: int, world: int, family: str, chunks: int) -> dict:
 
 
 def titan_two_ranks(rank: int, world: int) -> dict:
-    """torchtitan's Qwen3-MoE with its own EP (functional all-to-alls): chunks=2 leaves its layers
-    whole and says why; the step stays eager's."""
+    """torchtitan's Qwen3-MoE and DeepSeek-V3 with its own EP (functional all-to-alls) on 2 ranks,
+    cut into chunks (``passes/chunk_functional.py``): ``optimize`` (3 microbatches: 0 and 2 run
+    the chunks, 1 the whole exchange), 3 and 4 chunks (8 experts: 4 local), the backend forward and
+    backward, the backend under ``no_grad``, and ``engine.forward_only``'s pairs; each against eager."""
     import titan_real
 
-    with chunk_log_lines() as lines:
-        r = titan_real.train_vs_eager("qwen3_moe", ep=2, n=2, rank=rank, config={"chunks": 2})
-    # forward-only pairs with torchtitan's own all-to-alls
-    return dict(r, log=lines, forward_only=titan_real.forward_only_vs_eager("qwen3_moe", ep=2, n=2, rank=rank))
+    out: dict = {}
+    for family in ("qwen3_moe", "deepseek_v3"):
+        with chunk_log_lines() as lines:
+            out[f"{family}/optimize"] = titan_real.train_vs_eager(family, 2, 3, rank, config={"chunks": 2})
+        out[f"{family}/optimize"]["log"] = lines
+        out[f"{family}/backend"] = titan_real.backend_vs_eager(family, 2, ep=2, rank=rank, options={"chunks": 2})
+        out[f"{family}/no_grad"] = titan_real.backend_forward_only(family, 2, rank, options={"chunks": 2})
+    for k in (3, 4):
+        out[f"qwen3_moe/chunks={k}"] = titan_real.train_vs_eager("qwen3_moe", 2, 2, rank, config={"chunks": k},
+                                                                 experts=8)
+    # forward-only: a pair (whole exchanges, each under the other's compute), then the odd one in chunks
+    out["forward_only"] = titan_real.forward_only_vs_eager("qwen3_moe", 2, 3, rank, config={"chunks": 2})
+    return out

@@ -89,10 +89,10 @@ def deepseek_v3_config(n_layers: int = 3, dim: int = 32, experts: int = 4, top_k
 CONFIGS = {"qwen3_moe": qwen3_moe_config, "deepseek_v3": deepseek_v3_config}
 
 
-def build(family: str, ep: int = 1, seed: int = 0) -> nn.Module:
+def build(family: str, ep: int = 1, seed: int = 0, experts: int = 4) -> nn.Module:
     """A torchtitan model in training mode, initialised from ``seed``; with ``ep > 1`` (every
     rank of the default group in one EP group) parallelized by torchtitan itself."""
-    cfg = CONFIGS[family]()
+    cfg = CONFIGS[family](experts=experts)
     if ep > 1:
         import torchtitan.distributed.parallel_dims as parallel_dims
         from torchtitan.distributed import ParallelDims
@@ -170,10 +170,10 @@ def full_activation_checkpointing(model: nn.Module) -> nn.Module:
 
 
 def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: bool = False,
-                   wrap=lambda model: model, config: dict | None = None) -> dict:
+                   wrap=lambda model: model, config: dict | None = None, experts: int = 4) -> dict:
     """``engine.forward_backward`` over ``n`` microbatches vs eager ``loss.backward()`` per
     microbatch, on two copies of the same model built from the same seed (then ``wrap``ped)."""
-    eager, model = wrap(build(family, ep)), wrap(build(family, ep))
+    eager, model = wrap(build(family, ep, experts=experts)), wrap(build(family, ep, experts=experts))
     mbs = batches(rank, n)
     ref_losses = []
     for mb in mbs:
@@ -188,34 +188,47 @@ def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: boo
                 eager_counted={k: float(_local(b).sum()) for k, b in eager.named_buffers() if "tokens_per_expert" in k})
 
 
-def forward_only_vs_eager(family: str, ep: int, n: int, rank: int = 0) -> dict:
+def forward_only_vs_eager(family: str, ep: int, n: int, rank: int = 0, config: dict | None = None) -> dict:
     """``engine.forward_only`` over ``n`` microbatches (in pairs) vs the model's own forward under
     ``no_grad``, same weights: whether the logits are bitwise, and the program's stage calls."""
     model = build(family, ep)
     mbs = batches(rank, n)
     with torch.no_grad():
         want = [model(*mb) for mb in mbs]
-    engine = fxoverlap.optimize(model, dist.group.WORLD if ep > 1 else None)
+    engine = fxoverlap.optimize(model, dist.group.WORLD if ep > 1 else None, fxoverlap.OverlapConfig(**(config or {})))
     got = engine.forward_only(mbs)
     calls = [n.name for n in engine.program.graph.nodes if n.op == "call_module"]
     return dict(bitwise=all(torch.equal(a, b) for a, b in zip(got, want)), calls=calls)
 
 
-def backend_vs_eager(family: str, n: int) -> dict:
-    """``torch.compile(model, backend="fxoverlap")`` with ``loss.backward()`` per microbatch vs
-    eager on a twin (one rank), with the backward cut into a segment per gradient hand-out."""
+def local_experts(model: nn.Module) -> nn.Module:
+    """Each DTensor parameter (torchtitan's ``Shard(0)`` expert weights under EP) replaced by a plain
+    parameter of this rank's shard: the backend takes plain tensors only (it falls back on a
+    DTensor graph input; ``optimize`` takes them). torchtitan's experts run either kind, and the
+    token dispatcher and its all-to-alls are unchanged."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if hasattr(p, "to_local"):
+                setattr(module, name, nn.Parameter(p.to_local().detach().clone()))
+    return model
+
+
+def backend_vs_eager(family: str, n: int, ep: int = 1, rank: int = 0, options: dict | None = None) -> dict:
+    """``torch.compile(model, backend="fxoverlap", options=options)`` with ``loss.backward()`` per
+    microbatch vs eager on a twin (with ``ep > 1``: both parallelized by torchtitan, then
+    :func:`local_experts`), the backward cut into a segment per gradient hand-out."""
     import warnings
 
     import fxoverlap.backend as fxb
 
-    eager, model = build(family), build(family)
+    eager, model = local_experts(build(family, ep)), local_experts(build(family, ep))
     torch._dynamo.reset()
     fxb.reset()
-    compiled = torch.compile(model, backend="fxoverlap")
+    compiled = torch.compile(model, backend="fxoverlap", options=options or {})
     losses_equal = []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _scalar_outputs():
         warnings.simplefilter("error", fxb.FallbackWarning)
-        for mb in batches(0, n):
+        for mb in batches(rank, n):
             ref = next_token_loss(eager(*mb), *mb)
             ref.backward()
             loss = next_token_loss(compiled(*mb), *mb)
@@ -224,6 +237,36 @@ def backend_vs_eager(family: str, n: int) -> dict:
     step = fxb.last_compiled()
     return dict(losses_equal=losses_equal, **compare(model, eager), segments=len(step._segments),
                 stages=[(s.name, str(s.kind), str(s.stream)) for s in step.stages])
+
+
+def backend_forward_only(family: str, ep: int, rank: int = 0, options: dict | None = None) -> dict:
+    """The backend under ``torch.no_grad()`` (the prefill case) vs the model's own forward under
+    ``no_grad``, same weights: whether the logits are bitwise, and the compiled stages."""
+    import warnings
+
+    import fxoverlap.backend as fxb
+
+    model = local_experts(build(family, ep))
+    mbs = batches(rank, 2)
+    torch._dynamo.reset()
+    fxb.reset()
+    compiled = torch.compile(model, backend="fxoverlap", options=options or {})
+    with torch.no_grad(), warnings.catch_warnings(), _scalar_outputs():
+        warnings.simplefilter("error", fxb.FallbackWarning)
+        want = [_first(model(*mb)) for mb in mbs]
+        got = [_first(compiled(*mb)) for mb in mbs]
+    return dict(bitwise=all(torch.equal(a, b) for a, b in zip(got, want)),
+                stages=[(s.name, str(s.kind), str(s.stream)) for s in fxb.last_stages()])
+
+
+def _scalar_outputs():
+    """Dynamo traces ``.tolist()`` of the split sizes into the graph, as torchtitan's own compile
+    sets it (``torchtitan.distributed.compile``); without it EP breaks the graph at each MoE layer."""
+    return torch._dynamo.config.patch(capture_scalar_outputs=True)
+
+
+def _first(logits):
+    return logits[0] if isinstance(logits, list) else logits
 
 
 def fsdp_error(world: int) -> str:
