@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fxoverlap import pipelining_privates as pl
 from fxoverlap.config import PIPELINE, OverlapConfig, refused_fields
@@ -199,6 +200,10 @@ class _StageCompiler:
         from fxoverlap.backend_autograd import Turns
 
         self.turns = Turns()
+        # the local shard -> DTensor of each DTensor input of this stage's calls (_LocalShards), for
+        # the backward outside autograd: keyed weakly by the shard object (identity, not id(): an
+        # entry goes with its shard, so a later tensor at the same address is never taken for one)
+        self.shards = WeakTensorKeyDictionary()
         self.module = stage.submod
         self.compiled = torch.compile(stage.submod, backend=self._backend, dynamic=False, fullgraph=False)
 
@@ -229,7 +234,7 @@ class _StageCompiler:
         if self.reducer is not None:
             self.graph_params.append(params)
         self.registry.setdefault(self.stage.stage_index, []).extend(step.stages)
-        return _LocalShards(step, unwrapped) if unwrapped else step
+        return _LocalShards(step, unwrapped, self.shards) if unwrapped else step
 
     def expert_parameters(self) -> set[int]:
         """The ids of the stage module's parameters that are ``"expert"`` in every compiled
@@ -255,7 +260,7 @@ class _StageCompiler:
 
         def run_weights() -> None:
             for run in runs:
-                _accumulate(run.args, run.step.weight_grads(run))
+                _accumulate(run.args, run.step.weight_grads(run), self.shards)
             self.backward_done()
 
         return run_weights
@@ -359,19 +364,19 @@ def _unwrap_dtensor_inputs(gm: torch.fx.GraphModule, example_inputs: list,
 class _LocalShards:
     """A compiled stage graph whose DTensor inputs were unwrapped (:func:`_unwrap_dtensor_inputs`):
     called with Dynamo's inputs, it passes ``to_local()`` of each of those (through autograd,
-    as the module's own ``to_local()`` did) and marks each local shard with its DTensor, for
-    the merged step's backward outside autograd (:func:`_merged_backward`). (A tensor
-    attribute, not an id-keyed table: the shard's Python object is not kept alive, and only
-    an attribute makes torch keep it; an id-keyed table missed shards on torchtitan's EP.)"""
+    as the module's own ``to_local()`` did) and records each local shard's DTensor in
+    ``shards`` (the stage's :attr:`_StageCompiler.shards`), for the backward outside autograd
+    (:func:`_merged_backward`, :func:`_accumulate`): the call keeps the shards in its
+    ``StepRun.args`` until then, so each entry lives exactly as long as it is needed."""
 
-    def __init__(self, step, unwrapped: tuple[int, ...]):
-        self.step, self.unwrapped = step, unwrapped
+    def __init__(self, step, unwrapped: tuple[int, ...], shards: WeakTensorKeyDictionary):
+        self.step, self.unwrapped, self.shards = step, unwrapped, shards
 
     def __call__(self, *args):
         args = list(args)
         for i in self.unwrapped:
             shard = args[i].to_local()
-            shard._fxoverlap_dtensor = args[i]
+            self.shards[shard] = args[i]
             args[i] = shard
         return self.step(*args)
 
@@ -643,36 +648,36 @@ def _deferrable_runs(stage, mb: int) -> list:
 
     if isinstance(stage.submod, (nn.parallel.DistributedDataParallel, FSDPModule)) or mb not in pl.fwd_cache(stage):
         return []
-    runs = _calls_of(pl.fwd_cache(stage)[mb][0])
+    runs, shards = _calls_of(pl.fwd_cache(stage)[mb][0]), stage.fxoverlap_state.shards
     for run in runs:
         grads = [t for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
         if (run.state is None or not run.step.splits_weight_grads or run.next_segment != 0
-                or any(hasattr(t, "_fxoverlap_dtensor") or (t.is_leaf and not _no_hooks(t)) for t in grads)):
+                or any(t in shards or (t.is_leaf and not _no_hooks(t)) for t in grads)):
             return []
     for run in runs:
         run.defer_weights = True
     return runs
 
 
-def _accumulate(args: Sequence, grads: dict[int, torch.Tensor]) -> None:
+def _accumulate(args: Sequence, grads: dict[int, torch.Tensor], shards: WeakTensorKeyDictionary) -> None:
     """Add gradients of a call's graph inputs (by index) into their ``.grad`` as AccumulateGrad
     does: the first is taken, later ones added; a DTensor's local shard through ``to_local``'s
-    backward, as autograd would."""
-    shards, shard_grads = [], []
+    backward, as autograd would (``shards``: the stage's local shard -> DTensor)."""
+    local, local_grads = [], []
     for i, g in grads.items():
         t = args[i]
         if not (isinstance(t, torch.Tensor) and t.requires_grad):
             continue
-        if hasattr(t, "_fxoverlap_dtensor"):
-            shards.append(t)
-            shard_grads.append(g)
+        if t in shards:
+            local.append(t)
+            local_grads.append(g)
             continue
         if t.grad is None:
             t.grad = g
         else:
             t.grad += g
-    if shards:
-        torch.autograd.backward(shards, shard_grads)
+    if local:
+        torch.autograd.backward(local, local_grads)
 
 
 def _merged_backward(schedule, stages, sub):
@@ -707,7 +712,7 @@ def _merged_backward(schedule, stages, sub):
         return None
     # a local shard of a DTensor parameter (torchtitan's EP) counts as that parameter
     compiler = stage.fxoverlap_state
-    leaves = [getattr(t, "_fxoverlap_dtensor", t) for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [compiler.shards.get(t, t) for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
     if any(not t.is_leaf or not _no_hooks(t) for t in leaves):
         return None
     if any(i not in {t.output_nr for t in outs} for i in step.tangent_pos):
@@ -735,7 +740,7 @@ def _merged_backward(schedule, stages, sub):
     args = run.args  # the generator drops them from the run when done
 
     def finish() -> None:
-        _accumulate(args, run.grads)
+        _accumulate(args, run.grads, compiler.shards)
         if not deferred:  # else counted when its BACKWARD_WEIGHT has run
             compiler.backward_done()
         grad_inputs = []
