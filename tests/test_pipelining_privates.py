@@ -40,7 +40,7 @@ def test_pipeline_parallel_reaches_no_pipelining_private():
 
 
 # the classes whose ``self`` is a pipelining object (our PipelineStage / schedule subclasses)
-_PIPELINING_SUBCLASSES = {"_OverlapStage", "_OverlapSchedule"}
+_PIPELINING_SUBCLASSES = {"_OverlapStage", "_SingleScheduleStage", "_OverlapSchedule"}
 # the names pipeline_parallel.py binds to pipelining stages and schedules
 _PIPELINING_NAMES = {"stage", "st", "schedule", "sched", "s", "stages", "local", "ours"}
 
@@ -109,3 +109,26 @@ def test_pipeline_parallel_names_no_fxoverlap_attribute():
              or (isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("_fxoverlap"))]
     assert named == [], f"pipeline_parallel.py names _fxoverlap* at lines {named}"
     assert "_fxoverlap" not in src
+
+
+def test_stage_subclass_overrides_only_what_takes_no_custom_function():
+    """Our PipelineStage subclass changes, of pipelining's stage methods, only the one call of the
+    stage module and the sends (SEND_F / SEND_B take no custom function); for the single-stage
+    schedules, which take none, also the backward and the gradient scaling. No dw_builder: the
+    runtime schedules' BACKWARD_INPUT / BACKWARD_WEIGHT run through fxoverlap's custom functions."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from fxoverlap import pipeline_parallel as pp
+
+    theirs = {n for c in PipelineStage.__mro__ if issubclass(c, _PipelineStageBase) for n in vars(c)}
+
+    def changed(cls):
+        return sorted(n for c in cls.__mro__[:cls.__mro__.index(PipelineStage)] for n in vars(c)
+                      if n in theirs and callable(vars(c)[n]) and n != "__init__")
+
+    runtime, single = pp._stage_class(PipelineStage, False), pp._stage_class(PipelineStage, True)
+    assert changed(runtime) == ["forward_maybe_with_nosync", "get_bwd_send_ops", "get_fwd_send_ops"]
+    assert changed(single) == ["backward_one_chunk", "forward_maybe_with_nosync", "get_bwd_send_ops",
+                               "get_fwd_send_ops", "perform_reduce_grad"]
+    assert issubclass(runtime, PipelineStage) and issubclass(single, PipelineStage)
