@@ -22,28 +22,36 @@ What is hooked, and where (``docs/pipeline_parallel.md``):
   stage is traced with ``capture_scalar_outputs`` on (host reads of split sizes stay in the
   graph) and its DTensor inputs read only through ``to_local()`` (torchtitan's EP expert
   weights) enter the program as their local shards (:func:`_unwrap_dtensor_inputs`);
-- multi-stage schedules (``_PipelineScheduleRuntime``: Interleaved1F1B, DualPipeV): an
-  ``OVERLAP_F_B`` custom function (``register_custom_function``) runs the merged step
-  F(i) ⊗ B(j): F(i)'s forward program and B(j)'s backward program in turns, each stopping
-  after each of its comm stages, B(j) outside autograd (:func:`_merged_backward`), with
+- multi-stage schedules (``_PipelineScheduleRuntime``: Interleaved1F1B, the ZeroBubble ones,
+  DualPipeV): custom functions (``register_custom_function``) run ``FULL_BACKWARD``,
+  ``BACKWARD_INPUT``, ``BACKWARD_WEIGHT``, ``REDUCE_GRAD`` and ``OVERLAP_F_B``, with
   pipelining's receives, loss and V-schedule hand-offs as the runtime's own
-  ``_perform_action`` does them; F then B through autograd where B cannot leave it exactly.
-  Its P2P (:class:`_EarlySends`): each receive is waited right before its data is used (B's
-  after F's first chunk), F's output is sent as soon as F has returned (before the rest of
-  B), B's input gradients as soon as B is done, with pipelining's own ops; the schedule's
-  later ``SEND_F`` / ``SEND_B`` action for them then finds nothing left to send;
+  ``_perform_action`` does them (``FORWARD`` stays the runtime's: its ``forward_one_chunk``
+  is what reaches ``forward_maybe_with_nosync``). ``OVERLAP_F_B`` runs the merged step
+  F(i) ⊗ B(j): F(i)'s forward program and B(j)'s backward program in turns, each stopping
+  after each of its comm stages, B(j) outside autograd (:func:`_merged_backward`); F then
+  B through autograd where B cannot leave it exactly. Its P2P (:class:`_EarlySends`): each
+  receive is waited right before its data is used (B's after F's first chunk), F's output
+  is sent as soon as F has returned (before the rest of B), B's input gradients as soon as
+  B is done, with pipelining's own ops; the schedule's later ``SEND_F`` / ``SEND_B`` action
+  for them (which takes no custom function) then finds nothing left to send
+  (``get_fwd_send_ops`` / ``get_bwd_send_ops`` of :class:`_OverlapStage`). The single-stage
+  schedules (Schedule1F1B, GPipe) take no custom functions: their stages
+  (:class:`_SingleScheduleStage`) count backwards in ``backward_one_chunk`` and hold the
+  gradient scaling in ``perform_reduce_grad`` (``dp_group``);
 - ZeroBubble splits (``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT``: the ZeroBubble schedules and
   DualPipeV): fxoverlap's backward is one autograd node that hands out input and weight
-  gradients together, which ``torch.autograd.grad(inputs=...)`` cannot split, so each stage
-  uses pipelining's own ``dw_builder`` slot. For these schedules a stage is compiled with the
-  expert, attention and MLP weight gradients cut off into ``delay_wgrad`` parts and
-  scheduled after all of its backward's other work (``compile_step(weight_last=True)``).
-  ``BACKWARD_INPUT`` runs the backward up to them (the input gradients, sent on, and the
-  other parameters' gradients); the ``dw_builder`` closure it leaves runs them at the
-  schedule's ``BACKWARD_WEIGHT`` and adds their gradients into ``p.grad``
-  (:func:`_deferrable_runs`). Where a call cannot defer (a DDP/FSDP module or gradient
-  hooks, which autograd must run; DTensor local shards), ``BACKWARD_INPUT`` runs the whole
-  backward and ``BACKWARD_WEIGHT`` has nothing left to do.
+  gradients together, which ``torch.autograd.grad(inputs=...)`` cannot split, so a
+  ``BACKWARD_INPUT`` runs pipelining's full backward. For these schedules a stage is
+  compiled with the expert, attention and MLP weight gradients cut off into ``delay_wgrad``
+  parts and scheduled after all of its backward's other work
+  (``compile_step(weight_last=True)``). ``BACKWARD_INPUT`` runs the backward up to them
+  (the input gradients, sent on, and the other parameters' gradients), leaving its calls
+  (:func:`_deferrable_runs`) to the schedule's ``BACKWARD_WEIGHT``, which runs them and adds
+  their gradients into ``p.grad`` (:meth:`_StageCompiler.weight_step`). Where a call cannot
+  defer (a DDP/FSDP module or gradient hooks, which autograd must run; DTensor local
+  shards), ``BACKWARD_INPUT`` runs the whole backward and ``BACKWARD_WEIGHT`` has nothing
+  left to do.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fxoverlap import pipelining_privates as pl
 from fxoverlap.config import PIPELINE, OverlapConfig, refused_fields
@@ -190,15 +199,19 @@ class _StageCompiler:
         # the schedule's own SEND_F / SEND_B action for them finds no ops left
         self.sent: set[tuple[bool, int]] = set()
         # a ZeroBubble schedule (BACKWARD_WEIGHT actions): weight gradients computed last, so
-        # BACKWARD_INPUT can leave them to BACKWARD_WEIGHT; the calls of the BACKWARD_INPUT
-        # running now whose weight part its dw_builder closure takes
+        # BACKWARD_INPUT can leave them to BACKWARD_WEIGHT; by microbatch, the calls whose
+        # weight part a BACKWARD_INPUT left (backend_autograd.StepRun)
         self.weight_last = weight_last
-        self.deferred: list = []  # backend_autograd.StepRun
+        self.weight_runs: dict[int, list] = {}
         # merged steps (OVERLAP_F_B): the backward another call of this rank runs in turns with
         # the next forward of this stage's compiled steps
         from fxoverlap.backend_autograd import Turns
 
         self.turns = Turns()
+        # the local shard -> DTensor of each DTensor input of this stage's calls (_LocalShards), for
+        # the backward outside autograd: keyed weakly by the shard object (identity, not id(): an
+        # entry goes with its shard, so a later tensor at the same address is never taken for one)
+        self.shards = WeakTensorKeyDictionary()
         self.module = stage.submod
         self.compiled = torch.compile(stage.submod, backend=self._backend, dynamic=False, fullgraph=False)
 
@@ -229,7 +242,7 @@ class _StageCompiler:
         if self.reducer is not None:
             self.graph_params.append(params)
         self.registry.setdefault(self.stage.stage_index, []).extend(step.stages)
-        return _LocalShards(step, unwrapped) if unwrapped else step
+        return _LocalShards(step, unwrapped, self.shards) if unwrapped else step
 
     def expert_parameters(self) -> set[int]:
         """The ids of the stage module's parameters that are ``"expert"`` in every compiled
@@ -245,20 +258,23 @@ class _StageCompiler:
                     roles.setdefault(id(p), set()).add(role)
         return {i for i, r in roles.items() if r == {"expert"}}
 
-    def weight_step(self) -> Callable[[], None]:
-        """pipelining's ``dw_builder``: the ``BACKWARD_WEIGHT`` of the ``BACKWARD_INPUT`` that just
-        ran, which computes the weight gradients it left (:func:`_deferrable_runs`) and adds them
-        into ``p.grad``; nothing where it left none (then that backward was counted done)."""
-        runs, self.deferred = self.deferred, []
-        if not runs:
-            return lambda: None
-
-        def run_weights() -> None:
-            for run in runs:
-                _accumulate(run.args, run.step.weight_grads(run))
+    def backward_finished(self, mb: int, deferred: list) -> None:
+        """Microbatch ``mb``'s backward (B or I) ran; ``deferred``: the calls whose weight part it
+        left to ``BACKWARD_WEIGHT`` (:func:`_deferrable_runs`; then it counts done there)."""
+        if deferred:
+            self.weight_runs[mb] = deferred
+        else:
             self.backward_done()
 
-        return run_weights
+    def weight_step(self, mb: int) -> None:
+        """A ``BACKWARD_WEIGHT``: the weight gradients microbatch ``mb``'s ``BACKWARD_INPUT`` left,
+        added into ``p.grad``; nothing where it left none (then that backward was counted done)."""
+        runs = self.weight_runs.pop(mb, None)
+        if not runs:
+            return
+        for run in runs:
+            _accumulate(run.args, run.step.weight_grads(run), self.shards)
+        self.backward_done()
 
     def backward_done(self) -> None:
         """One backward of this stage ran; after its last of the step, the DP reduction starts."""
@@ -268,6 +284,7 @@ class _StageCompiler:
 
     def begin_step(self) -> None:
         self.backwards = 0
+        self.weight_runs.clear()
         self.sent.clear()
 
     def take_sent(self, fwd: bool, mb: int) -> bool:
@@ -359,19 +376,19 @@ def _unwrap_dtensor_inputs(gm: torch.fx.GraphModule, example_inputs: list,
 class _LocalShards:
     """A compiled stage graph whose DTensor inputs were unwrapped (:func:`_unwrap_dtensor_inputs`):
     called with Dynamo's inputs, it passes ``to_local()`` of each of those (through autograd,
-    as the module's own ``to_local()`` did) and marks each local shard with its DTensor, for
-    the merged step's backward outside autograd (:func:`_merged_backward`). (A tensor
-    attribute, not an id-keyed table: the shard's Python object is not kept alive, and only
-    an attribute makes torch keep it; an id-keyed table missed shards on torchtitan's EP.)"""
+    as the module's own ``to_local()`` did) and records each local shard's DTensor in
+    ``shards`` (the stage's :attr:`_StageCompiler.shards`), for the backward outside autograd
+    (:func:`_merged_backward`, :func:`_accumulate`): the call keeps the shards in its
+    ``StepRun.args`` until then, so each entry lives exactly as long as it is needed."""
 
-    def __init__(self, step, unwrapped: tuple[int, ...]):
-        self.step, self.unwrapped = step, unwrapped
+    def __init__(self, step, unwrapped: tuple[int, ...], shards: WeakTensorKeyDictionary):
+        self.step, self.unwrapped, self.shards = step, unwrapped, shards
 
     def __call__(self, *args):
         args = list(args)
         for i in self.unwrapped:
             shard = args[i].to_local()
-            shard._fxoverlap_dtensor = args[i]
+            self.shards[shard] = args[i]
             args[i] = shard
         return self.step(*args)
 
@@ -384,13 +401,14 @@ class _OverlapStage:
 
     - ``forward_maybe_with_nosync``, the one place pipelining calls the stage module: the
       fxoverlap-compiled module instead (``submod`` stays the user's module);
-    - ``dw_builder`` (ZeroBubble): the ``BACKWARD_WEIGHT`` of the weight gradients its
-      ``BACKWARD_INPUT`` left; ``backward_one_chunk`` decides what it leaves;
     - ``get_fwd_send_ops`` / ``get_bwd_send_ops``: nothing for what an ``OVERLAP_F_B`` step
       already sent (:class:`_EarlySends`), so nothing is sent twice and the ``bwd_cache``
-      entry (which ``get_bwd_send_ops`` pops) is popped once;
-    - ``perform_reduce_grad`` with ``dp_group``: the gradient scaling waits for the DP
-      reduction in flight (:meth:`_StageCompiler.finish_step`)."""
+      entry (which ``get_bwd_send_ops`` pops) is popped once. (The runtime's ``SEND_F`` /
+      ``SEND_B`` actions take no custom function.)
+
+    The multi-stage schedules run their backward actions and ``REDUCE_GRAD`` through the
+    custom functions :func:`pipeline_schedule` registers; the single-stage ones, which take
+    none, through :class:`_SingleScheduleStage`."""
 
     def __init__(self, stage, config: OverlapConfig, registry: dict[int, list[Stage]], n_microbatches: int,
                  weight_last: bool, groups) -> None:
@@ -399,27 +417,9 @@ class _OverlapStage:
         if groups is not None:
             self.fxoverlap_state.reducer = _StageReduction(self.fxoverlap_state, groups,
                                                            int(config.reduce_bucket_mb * 2**20))
-        self.dw_builder = self.fxoverlap_state.weight_step
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
         return self.fxoverlap_state.forward(*args, **kwargs)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
-                           last_backward: bool = False):
-        state = self.fxoverlap_state
-        if not full_backward:
-            state.deferred = _deferrable_runs(self, bwd_chunk_id) if state.weight_last else []
-            # where this BACKWARD_INPUT completes the step's gradients (DDP leaves nothing for
-            # BACKWARD_WEIGHT), DDP's reduction (last_backward) must come with it, not with the
-            # BACKWARD_WEIGHT pipelining flags as the last
-            if not state.deferred and state.backwards + 1 == state.n_microbatches:
-                last_backward = True
-        deferred = bool(state.deferred)
-        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                         last_backward=last_backward)
-        if not deferred:  # else counted when its BACKWARD_WEIGHT has run
-            state.backward_done()
-        return out
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
         return [] if self.fxoverlap_state.take_sent(True, fwd_chunk_id) else super().get_fwd_send_ops(fwd_chunk_id)
@@ -427,19 +427,32 @@ class _OverlapStage:
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
         return [] if self.fxoverlap_state.take_sent(False, bwd_chunk_id) else super().get_bwd_send_ops(bwd_chunk_id)
 
+
+class _SingleScheduleStage(_OverlapStage):
+    """:class:`_OverlapStage` for ``Schedule1F1B`` / ``ScheduleGPipe``, which call the stage's
+    methods directly (no custom functions): ``backward_one_chunk`` counts the stage's backwards
+    (the ``dp_group`` reduction starts after the last), and ``perform_reduce_grad`` with
+    ``dp_group`` leaves the gradient scaling to the end of the step, after the reduction
+    (:meth:`_StageCompiler.finish_step`), as :func:`_reduce_grad_action` does for the others."""
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False):
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                         last_backward=last_backward)
+        self.fxoverlap_state.backward_done()
+        return out
+
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        # pipelining scales the gradients right after the stage's last backward (REDUCE_GRAD,
-        # or the end of a single-stage step); with the DP reduction in flight then, the scaling
-        # waits for it (finish_step)
         if self.fxoverlap_state.reducer is None:
             return super().perform_reduce_grad(grad_scale_factor)
         self.fxoverlap_state.scale_factor = grad_scale_factor
 
 
 @functools.cache
-def _stage_class(cls: type) -> type:
-    """The user's stage class ``cls`` with :class:`_OverlapStage`'s changes."""
-    return type(f"FxOverlap{cls.__name__}", (_OverlapStage, cls), {
+def _stage_class(cls: type, single: bool) -> type:
+    """The user's stage class ``cls`` with :class:`_OverlapStage`'s changes (``single``: a
+    single-stage schedule's, :class:`_SingleScheduleStage`)."""
+    return type(f"FxOverlap{cls.__name__}", (_SingleScheduleStage if single else _OverlapStage, cls), {
         "__doc__": f"{cls.__name__} whose F/B steps run as fxoverlap programs (fxoverlap.pipeline_schedule).",
         "__module__": __name__,
     })
@@ -572,28 +585,54 @@ def _forward(schedule, stages, sub, ctx) -> None:
         stages[idx + 1].set_local_fwd_input(output, mb)
 
 
-def _backward_counter(schedule, stage, sub) -> bool:
-    """Count a FULL_BACKWARD as the runtime does; whether it is the stage's last backward."""
-    from torch.distributed.pipelining.schedules import FULL_BACKWARD
-
-    if sub.computation_type != FULL_BACKWARD:
-        return False
-    counter = pl.backward_counter(schedule)
-    counter[sub.stage_index] += 1
-    return counter[sub.stage_index] == stage.fxoverlap_state.n_microbatches
-
-
 def _backward(schedule, stages, sub) -> None:
-    """A FULL_BACKWARD / BACKWARD_INPUT action after its receive, through autograd."""
-    from torch.distributed.pipelining.schedules import FULL_BACKWARD
+    """A FULL_BACKWARD / BACKWARD_INPUT action after its receive, through autograd: pipelining's
+    ``backward_one_chunk`` runs the whole autograd backward (fxoverlap's backward is one node
+    handing out input and weight gradients together, which ``torch.autograd.grad(inputs=...)``
+    cannot split); a ``BACKWARD_INPUT`` of a ZeroBubble schedule marks the calls whose weight
+    part it leaves to ``BACKWARD_WEIGHT`` first (:func:`_deferrable_runs`)."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT
 
     mb, idx = sub.microbatch_index, sub.stage_index
     stage = stages[idx]
-    loss = pl.get_loss(schedule, stage, mb)
-    last = _backward_counter(schedule, stage, sub)
-    stage.backward_one_chunk(mb, loss=loss, full_backward=sub.computation_type == FULL_BACKWARD, last_backward=last)
+    state = stage.fxoverlap_state
+    deferred = (_deferrable_runs(stage, mb) if sub.computation_type == BACKWARD_INPUT and state.weight_last
+                else [])
+    # DDP reduces at the stage's last backward: the one that completes the step's gradients
+    # (a BACKWARD_INPUT that leaves nothing to BACKWARD_WEIGHT can be it, which pipelining does
+    # not flag); a deferring backward is never DDP's (_deferrable_runs)
+    last = not deferred and state.backwards + 1 == state.n_microbatches
+    stage.backward_one_chunk(mb, loss=pl.get_loss(schedule, stage, mb), full_backward=True, last_backward=last)
+    state.backward_finished(mb, deferred)
     if idx - 1 in stages:
         stages[idx - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+
+def _backward_action(schedule, action, ctx) -> None:
+    """The FULL_BACKWARD / BACKWARD_INPUT custom function: receive, then :func:`_backward`."""
+    stages = schedule.fxoverlap_run.stages
+    _wait_recv(schedule, stages, action)
+    _backward(schedule, stages, action)
+
+
+def _weight_action(schedule, action, ctx) -> None:
+    """The BACKWARD_WEIGHT custom function: the weight gradients its BACKWARD_INPUT left."""
+    stage = schedule.fxoverlap_run.stages[action.stage_index]
+    if stage.has_backward:
+        stage.fxoverlap_state.weight_step(action.microbatch_index)
+
+
+def _reduce_grad_action(schedule, action, ctx) -> None:
+    """The REDUCE_GRAD custom function (after the stage's last backward): pipelining's
+    ``perform_reduce_grad``, or with ``dp_group`` the gradient scaling left to the end of the
+    step, after the reduction in flight (:meth:`_StageCompiler.finish_step`)."""
+    stage = schedule.fxoverlap_run.stages[action.stage_index]
+    state = stage.fxoverlap_state
+    factor = state.n_microbatches if schedule.scale_grads else 1
+    if state.reducer is None:
+        stage.perform_reduce_grad(factor)
+    else:
+        state.scale_factor = factor
 
 
 def _reaches_only(loss: torch.Tensor, node) -> bool:
@@ -643,36 +682,36 @@ def _deferrable_runs(stage, mb: int) -> list:
 
     if isinstance(stage.submod, (nn.parallel.DistributedDataParallel, FSDPModule)) or mb not in pl.fwd_cache(stage):
         return []
-    runs = _calls_of(pl.fwd_cache(stage)[mb][0])
+    runs, shards = _calls_of(pl.fwd_cache(stage)[mb][0]), stage.fxoverlap_state.shards
     for run in runs:
         grads = [t for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
         if (run.state is None or not run.step.splits_weight_grads or run.next_segment != 0
-                or any(hasattr(t, "_fxoverlap_dtensor") or (t.is_leaf and not _no_hooks(t)) for t in grads)):
+                or any(t in shards or (t.is_leaf and not _no_hooks(t)) for t in grads)):
             return []
     for run in runs:
         run.defer_weights = True
     return runs
 
 
-def _accumulate(args: Sequence, grads: dict[int, torch.Tensor]) -> None:
+def _accumulate(args: Sequence, grads: dict[int, torch.Tensor], shards: WeakTensorKeyDictionary) -> None:
     """Add gradients of a call's graph inputs (by index) into their ``.grad`` as AccumulateGrad
     does: the first is taken, later ones added; a DTensor's local shard through ``to_local``'s
-    backward, as autograd would."""
-    shards, shard_grads = [], []
+    backward, as autograd would (``shards``: the stage's local shard -> DTensor)."""
+    local, local_grads = [], []
     for i, g in grads.items():
         t = args[i]
         if not (isinstance(t, torch.Tensor) and t.requires_grad):
             continue
-        if hasattr(t, "_fxoverlap_dtensor"):
-            shards.append(t)
-            shard_grads.append(g)
+        if t in shards:
+            local.append(t)
+            local_grads.append(g)
             continue
         if t.grad is None:
             t.grad = g
         else:
             t.grad += g
-    if shards:
-        torch.autograd.backward(shards, shard_grads)
+    if local:
+        torch.autograd.backward(local, local_grads)
 
 
 def _merged_backward(schedule, stages, sub):
@@ -707,7 +746,7 @@ def _merged_backward(schedule, stages, sub):
         return None
     # a local shard of a DTensor parameter (torchtitan's EP) counts as that parameter
     compiler = stage.fxoverlap_state
-    leaves = [getattr(t, "_fxoverlap_dtensor", t) for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [compiler.shards.get(t, t) for t in run.args if isinstance(t, torch.Tensor) and t.requires_grad]
     if any(not t.is_leaf or not _no_hooks(t) for t in leaves):
         return None
     if any(i not in {t.output_nr for t in outs} for i in step.tangent_pos):
@@ -725,19 +764,15 @@ def _merged_backward(schedule, stages, sub):
     for t, g in zip(outs, grads):
         grad_outputs[t.output_nr] = torch.zeros_like(t) if g is None else g
     # a BACKWARD_INPUT of a ZeroBubble schedule leaves the weight gradients to its BACKWARD_WEIGHT
-    compiler.deferred = (_deferrable_runs(stage, mb) if sub.computation_type == BACKWARD_INPUT and compiler.weight_last
-                         else [])
-    deferred = bool(compiler.deferred)
+    deferred = (_deferrable_runs(stage, mb) if sub.computation_type == BACKWARD_INPUT and compiler.weight_last
+                else [])
     del pl.fwd_cache(stage)[mb]
-    last = _backward_counter(schedule, stage, sub)
-    del last  # DDP/FSDP (what last_backward is for) take the autograd path
 
     args = run.args  # the generator drops them from the run when done
 
     def finish() -> None:
-        _accumulate(args, run.grads)
-        if not deferred:  # else counted when its BACKWARD_WEIGHT has run
-            compiler.backward_done()
+        _accumulate(args, run.grads, compiler.shards)
+        compiler.backward_finished(mb, deferred)
         grad_inputs = []
         for v in input_values:  # as pipelining's stage_backward
             if isinstance(v, torch.Tensor):
@@ -746,8 +781,6 @@ def _merged_backward(schedule, stages, sub):
             else:
                 grad_inputs.append(None)
         pl.bwd_cache(stage)[mb] = tuple(grad_inputs)[: pl.stage_input_count(stage)]
-        if sub.computation_type == BACKWARD_INPUT:
-            pl.dw_runner(stage)[mb] = stage.dw_builder()  # takes the calls left to BACKWARD_WEIGHT
         if stage.is_last and not stage.is_first:
             for t in stage_output:
                 if not t._is_view():
@@ -926,19 +959,24 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
         if isinstance(st, _OverlapStage):
             raise PipelineError(f"pipeline stage {st.stage_index} is already run by another fxoverlap schedule; "
                                 f"pass the PipelineStage you built")
-        if getattr(st, "dw_builder", None) is not None:
+        if getattr(st, "dw_builder", None) is not None:  # pipelining would call it after our backward
             raise PipelineError(f"pipeline stage {st.stage_index} has a dw_builder of its own; fxoverlap runs the "
                                 f"stage's whole backward itself and uses that slot (docs/pipeline_parallel.md)")
     registry: dict[int, list[Stage]] = {}
     weight_last = schedule_cls.__name__ in _WEIGHT_SPLIT_SCHEDULES
-    ours = [_stage_class(type(st))(st, config, registry, n_microbatches, weight_last, groups) for st in local]
+    ours = [_stage_class(type(st), not multi)(st, config, registry, n_microbatches, weight_last, groups)
+            for st in local]
     run = _PipelineRun(ours, registry, merge, ep_group, dp_group, expert_dp_group, config)
     schedule = _schedule_class(schedule_cls)(ours if multi else ours[0], n_microbatches, loss_fn=loss_fn,
                                              fxoverlap_run=run, **schedule_kwargs)
-    if multi:
-        from torch.distributed.pipelining.schedules import OVERLAP_F_B
+    if multi:  # every supported multi-stage schedule is a _PipelineScheduleRuntime
+        from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD,
+                                                            OVERLAP_F_B, REDUCE_GRAD)
 
-        schedule.register_custom_function(OVERLAP_F_B, functools.partial(_overlap_f_b, schedule))
+        for kind, fn in ((FULL_BACKWARD, _backward_action), (BACKWARD_INPUT, _backward_action),
+                         (BACKWARD_WEIGHT, _weight_action), (REDUCE_GRAD, _reduce_grad_action),
+                         (OVERLAP_F_B, _overlap_f_b)):
+            schedule.register_custom_function(kind, functools.partial(fn, schedule))
     return schedule
 
 

@@ -1,9 +1,9 @@
 """Every internal of ``torch.distributed.pipelining`` that fxoverlap's pipelining front end
 (``fxoverlap/pipeline_parallel.py``) reaches, one named function each.
 
-pipelining has no public API for what an ``OVERLAP_F_B`` custom function must do the way
-``_PipelineScheduleRuntime._perform_action`` does it (wait a receive, compute the loss, fill
-the stage's caches), so the front end reaches these internals here and nowhere else: a torch
+pipelining has no public API for what its custom functions (``OVERLAP_F_B``, the backward
+actions) must do the way ``_PipelineScheduleRuntime._perform_action`` does it (wait a receive,
+compute the loss, fill the stage's caches), so the front end reaches these internals here and nowhere else: a torch
 release that renames one breaks this module, and ``tests/test_pipelining_privates.py`` names
 which (:data:`NEEDED` lists each internal and where it lives). Module-level functions of
 ``schedules`` are looked up at call time, so a test that wraps ``schedules._batch_p2p``
@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["NEEDED", "backward_counter", "batch_p2p", "bwd_cache", "bwd_recv_ops", "compute_loss", "dw_runner",
-           "fwd_cache", "fwd_recv_ops", "get_loss", "pipeline_order_with_comms", "retrieve_recv_grads",
-           "stage_input_count", "wait_batch_p2p"]
+__all__ = ["NEEDED", "batch_p2p", "bwd_cache", "bwd_recv_ops", "compute_loss", "fwd_cache", "fwd_recv_ops",
+           "get_loss", "pipeline_order_with_comms", "retrieve_recv_grads", "stage_input_count", "wait_batch_p2p"]
 
 # (where, name) of each internal reached below: "schedules" (a function of the module),
 # "schedule" (an attribute of a _PipelineScheduleRuntime instance), "stage" (of a PipelineStage
@@ -30,13 +29,11 @@ NEEDED: tuple[tuple[str, str], ...] = (
     ("schedule", "_maybe_get_loss"),
     ("schedule", "fwd_recv_ops"),
     ("schedule", "bwd_recv_ops"),
-    ("schedule", "backward_counter"),
     ("schedule", "pipeline_order_with_comms"),
     ("stage", "_retrieve_recv_grads"),
     ("stage", "_stage_meta"),
     ("stage", "fwd_cache"),
     ("stage", "bwd_cache"),
-    ("stage", "dw_runner"),
     ("stage_meta", "inputs"),
 )
 
@@ -78,11 +75,6 @@ def bwd_recv_ops(schedule) -> dict:
     return schedule.bwd_recv_ops
 
 
-def backward_counter(schedule):
-    """The runtime's count of each stage's backwards in the step (a ``Counter``; it decides the last)."""
-    return schedule.backward_counter
-
-
 def pipeline_order_with_comms(schedule) -> dict | None:
     """The runtime's actions per rank, with its P2P actions (``None`` before it made them)."""
     return getattr(schedule, "pipeline_order_with_comms", None)
@@ -106,8 +98,3 @@ def fwd_cache(stage) -> dict:
 def bwd_cache(stage) -> dict:
     """``microbatch -> input gradients`` the stage sends (or hands to its local neighbour)."""
     return stage.bwd_cache
-
-
-def dw_runner(stage) -> dict:
-    """``microbatch -> the BACKWARD_WEIGHT closure`` its BACKWARD_INPUT left."""
-    return stage.dw_runner

@@ -23,6 +23,16 @@ from fxoverlap.testing import RankError, run_distributed, run_distributed_once
 import pp_cases
 
 
+def _handlers() -> list[str]:
+    from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD, OVERLAP_F_B,
+                                                        REDUCE_GRAD)
+
+    return sorted(str(k) for k in (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, REDUCE_GRAD, OVERLAP_F_B))
+
+
+_HANDLERS = _handlers()
+
+
 def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: bool, merged: bool | None = True,
            bitwise: bool = True, layerless: tuple[int, ...] = ()) -> None:
     """``layerless``: pipeline stages that hold no decoder layer (torchtitan's split can leave
@@ -34,6 +44,10 @@ def _check(results: list[dict], schedule: str, n_stages_per_rank: int, overlap: 
         # fxoverlap's state is in its own objects: nothing _fxoverlap* on pipelining's, the user's
         # stages left as built (the schedule runs fxoverlap's stages built from them)
         assert r["parked"] == [] and r["user_stages_untouched"], (where, r["parked"])
+        # the runtime schedules run every backward action and REDUCE_GRAD through fxoverlap's custom
+        # functions (FORWARD stays the runtime's); the single-stage ones take none
+        assert r["handlers"] == ([] if schedule in ("Schedule1F1B", "ScheduleGPipe") else _HANDLERS), \
+            (where, r["handlers"])
         assert not r["missing"], (where, r["missing"])
         assert r["n_grads"] > 0, where
         if bitwise:

@@ -25,7 +25,7 @@ def test_pipeline_parallel_reaches_no_pipelining_private():
     stage, and imports none: those go through pipelining_privates. (Its own ``self._x`` and
     torch's tensor / Dynamo privates are not pipelining's.)"""
     tree = ast.parse((ROOT / "fxoverlap" / "pipeline_parallel.py").read_text())
-    allowed_bases = {"self", "torch", "t", "fn", "shard"}  # our objects, tensors, autograd nodes
+    allowed_bases = {"self", "torch", "t", "fn"}  # our objects, tensors, autograd nodes
     bad = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and "pipelining" in node.module:
@@ -40,7 +40,7 @@ def test_pipeline_parallel_reaches_no_pipelining_private():
 
 
 # the classes whose ``self`` is a pipelining object (our PipelineStage / schedule subclasses)
-_PIPELINING_SUBCLASSES = {"_OverlapStage", "_OverlapSchedule"}
+_PIPELINING_SUBCLASSES = {"_OverlapStage", "_SingleScheduleStage", "_OverlapSchedule"}
 # the names pipeline_parallel.py binds to pipelining stages and schedules
 _PIPELINING_NAMES = {"stage", "st", "schedule", "sched", "s", "stages", "local", "ours"}
 
@@ -83,8 +83,9 @@ def test_pipeline_parallel_assigns_no_pipelining_attribute():
                         bad.append(f"line {el.lineno}: self.{el.attr} in {c}.{f}")
                     elif name in _PIPELINING_NAMES and isinstance(el.value, ast.Name):
                         bad.append(f"line {el.lineno}: {name}.{el.attr}")
-                    # (the one tensor marker, shard._fxoverlap_dtensor, is on a tensor, not pipelining's)
-                    if el.attr.startswith("_fxoverlap") and name != "shard":
+                    # nothing of ours parked on any object, tensors included (a local shard's DTensor
+                    # is looked up in the stage's own table: _StageCompiler.shards)
+                    if el.attr.startswith("_fxoverlap"):
                         bad.append(f"line {el.lineno}: .{el.attr}")
             if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "setattr":
                 bad.append(f"line {child.lineno}: setattr")
@@ -95,3 +96,39 @@ def test_pipeline_parallel_assigns_no_pipelining_attribute():
     # the subclasses the scan trusts are the ones pipeline_parallel.py defines
     names = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
     assert _PIPELINING_SUBCLASSES <= names
+
+
+def test_pipeline_parallel_names_no_fxoverlap_attribute():
+    """No ``_fxoverlap*`` name anywhere in pipeline_parallel.py: not assigned (the AST scan above),
+    nor read or set by name (``getattr(t, "_fxoverlap_...")``, ``hasattr``, ``setattr``,
+    ``vars(x)[...]``), so no mark rides on a tensor or a pipelining object."""
+    src = (ROOT / "fxoverlap" / "pipeline_parallel.py").read_text()
+    tree = ast.parse(src)
+    named = [n.lineno for n in ast.walk(tree)
+             if (isinstance(n, ast.Attribute) and n.attr.startswith("_fxoverlap"))
+             or (isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("_fxoverlap"))]
+    assert named == [], f"pipeline_parallel.py names _fxoverlap* at lines {named}"
+    assert "_fxoverlap" not in src
+
+
+def test_stage_subclass_overrides_only_what_takes_no_custom_function():
+    """Our PipelineStage subclass changes, of pipelining's stage methods, only the one call of the
+    stage module and the sends (SEND_F / SEND_B take no custom function); for the single-stage
+    schedules, which take none, also the backward and the gradient scaling. No dw_builder: the
+    runtime schedules' BACKWARD_INPUT / BACKWARD_WEIGHT run through fxoverlap's custom functions."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from fxoverlap import pipeline_parallel as pp
+
+    theirs = {n for c in PipelineStage.__mro__ if issubclass(c, _PipelineStageBase) for n in vars(c)}
+
+    def changed(cls):
+        return sorted(n for c in cls.__mro__[:cls.__mro__.index(PipelineStage)] for n in vars(c)
+                      if n in theirs and callable(vars(c)[n]) and n != "__init__")
+
+    runtime, single = pp._stage_class(PipelineStage, False), pp._stage_class(PipelineStage, True)
+    assert changed(runtime) == ["forward_maybe_with_nosync", "get_bwd_send_ops", "get_fwd_send_ops"]
+    assert changed(single) == ["backward_one_chunk", "forward_maybe_with_nosync", "get_bwd_send_ops",
+                               "get_fwd_send_ops", "perform_reduce_grad"]
+    assert issubclass(runtime, PipelineStage) and issubclass(single, PipelineStage)

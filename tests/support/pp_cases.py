@@ -306,15 +306,6 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
         return orig_call(self, node, stage, mb, cross)
 
     ours = list(sched.fxoverlap_run.stages.values())  # the stages the schedule runs (built from ours)
-    for st in ours:
-        def weight_one_chunk(*a, orig=st.backward_weight_one_chunk, **kw):
-            in_weight_step[0] = True
-            try:
-                return orig(*a, **kw)
-            finally:
-                in_weight_step[0] = False
-
-        st.backward_weight_one_chunk = weight_one_chunk
 
     def batch_p2p(ops, desc=None):
         if ops and all(op.op is dist.isend for op in ops):
@@ -330,6 +321,18 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
         return orig_wait(works, what)
 
     fmap = getattr(sched, "_comp_type_to_function_map", {})
+    # the custom functions pipeline_schedule registered (multi-stage schedules), before we wrap two
+    handlers = sorted(str(k) for k in fmap)
+    orig_fmap = dict(fmap)
+    if pl_schedules.BACKWARD_WEIGHT in fmap:  # BACKWARD_WEIGHT actions run through fxoverlap's custom function
+        def weight_step(action, ctx, orig=fmap[pl_schedules.BACKWARD_WEIGHT]):
+            in_weight_step[0] = True
+            try:
+                return orig(action, ctx)
+            finally:
+                in_weight_step[0] = False
+
+        fmap[pl_schedules.BACKWARD_WEIGHT] = weight_step
     if pl_schedules.OVERLAP_F_B in fmap:
         orig_overlap = fmap[pl_schedules.OVERLAP_F_B]
 
@@ -352,8 +355,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     finally:
         Turns.run, ProgramRunner.call_stage = orig_turns, orig_call
         pl_schedules._batch_p2p, fxpp._wait_works = orig_batch, orig_wait
-        if pl_schedules.OVERLAP_F_B in fmap:
-            fmap[pl_schedules.OVERLAP_F_B] = orig_overlap
+        fmap.update(orig_fmap)
     order = getattr(sched, "pipeline_order_with_comms", None)
     send_actions = None if order is None else sum(
         a.computation_type in (pl_schedules.SEND_F, pl_schedules.SEND_B) for a in order[sched.rank])
@@ -395,6 +397,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     out["stage_rank"] = None if order is None else dict(sched.stage_index_to_group_rank)
     out["num_stages"] = n_stages
     out["hook_calls"] = len(hook_calls)
+    out["handlers"] = handlers
     out["graphs"] = {st.stage_index: len(st.fxoverlap_state.steps) for st in ours}
     # fxoverlap parks nothing on pipelining's objects: its state is in fxoverlap_run / fxoverlap_state
     out["parked"] = sorted({n for o in (sched, *ours, *stages) for n in vars(o) if n.startswith("_fxoverlap")})
