@@ -105,6 +105,7 @@ def test_chunks_where_no_other_microbatch_runs_beside():
         assert bool(whole) != everywhere, whole
 
 
+@pytest.mark.slow
 def test_backend_matches_eager():
     for r in run_distributed_once(chunk_cases.one_microbatch_modes, 2):
         r = r["backend"]
@@ -146,6 +147,7 @@ def test_forward_only_with_random_draws_runs_microbatches_in_order():
             i for i, c in enumerate(calls) if c.startswith("F1_")), calls
 
 
+@pytest.mark.slow
 def test_hugging_face_family():
     for r in run_distributed(chunk_cases.hf_family, "qwen3_moe", 2):
         for mode in ("optimize", "backend"):
@@ -154,6 +156,7 @@ def test_hugging_face_family():
         assert r["forward_only_bitwise"]  # engine.forward_only's pair and odd one: eager's logits
 
 
+@pytest.mark.slow
 def test_torchtitan_all_to_alls_stay_whole():
     pytest.importorskip("torchtitan.models.qwen3", reason="torchtitan 0.3.0 is not installed")
     for r in run_distributed(chunk_cases.titan_two_ranks):
