@@ -105,7 +105,6 @@ def test_chunks_where_no_other_microbatch_runs_beside():
         assert bool(whole) != everywhere, whole
 
 
-@pytest.mark.slow
 def test_backend_matches_eager():
     for r in run_distributed_once(chunk_cases.one_microbatch_modes, 2):
         r = r["backend"]
