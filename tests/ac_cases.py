@@ -100,10 +100,10 @@ def run_case(model: nn.Module, rank: int, vocab: int, ns: list[int], **config) -
     return rows
 
 
-def two_ranks(rank: int, world: int) -> dict[str, list[dict]]:
-    """Every 2-rank case in one spawn: the reference MoE model without AC, with full AC
-    (MoEConfig.activation_checkpoint) and with selective AC (checkpoint_wrapper, matmuls
-    saved); the torchtitan-style model with full and selective AC."""
+def two_ranks(rank: int, world: int, models: tuple[str, ...] = ("moe", "titan")) -> dict[str, list[dict]]:
+    """The 2-rank cases of ``models`` in one spawn: the reference MoE model (``moe``) without AC,
+    with full AC (MoEConfig.activation_checkpoint) and with selective AC (checkpoint_wrapper,
+    matmuls saved); the torchtitan-style model (``titan``) with full and selective AC."""
     from titan_models import TitanTransformer
 
     out = {}
@@ -111,6 +111,8 @@ def two_ranks(rank: int, world: int) -> dict[str, list[dict]]:
     replay = dict(ac_replay_comm=True)
     for name, kw, policy, config in (("moe/none", {}, None, {}), ("moe/full", full, None, {}),
                                      ("moe/full/replay", full, None, replay), ("moe/matmuls", {}, save_matmuls, {})):
+        if "moe" not in models:
+            break
         torch.manual_seed(0)
         model = MoETransformer(MoEConfig.tiny(**MOE, **kw), dist.group.WORLD)
         if policy is not None:
@@ -118,6 +120,8 @@ def two_ranks(rank: int, world: int) -> dict[str, list[dict]]:
         out[name] = run_case(model, rank, MOE["vocab_size"], [1, 3] if name.startswith("moe/full") else [3], **config)
     for name, policy, config in (("titan/none", None, {}), ("titan/full", None, {}),
                                  ("titan/full/replay", None, replay), ("titan/matmuls", save_matmuls, {})):
+        if "titan" not in models:
+            break
         torch.manual_seed(0)
         model = TitanTransformer(dist.group.WORLD)
         if name != "titan/none":

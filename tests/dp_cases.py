@@ -390,11 +390,14 @@ def bad_groups(rank: int, world: int) -> dict:
     return out
 
 
-def everything(rank: int, world: int) -> dict:
-    """One 4-rank spawn for all the data-parallel tests."""
-    return dict(numerics=numerics(rank, world, ["moe", "titan"], [1, 3]), train=train_steps(rank, world),
-                ep1=ep1_dp4(rank, world), accumulation=accumulation(rank, world), timeline=timeline(rank, world),
-                errors=bad_groups(rank, world))
+def everything(rank: int, world: int, models: list[str] | None = None, rest: bool = True) -> dict:
+    """One 4-rank spawn for the data-parallel tests: the numerics of ``models`` (default: both)
+    and, with ``rest``, every other case."""
+    out = dict(numerics=numerics(rank, world, models or ["moe", "titan"], [1, 3]))
+    if rest:
+        out.update(train=train_steps(rank, world), ep1=ep1_dp4(rank, world), accumulation=accumulation(rank, world),
+                   timeline=timeline(rank, world), errors=bad_groups(rank, world))
+    return out
 
 
 

@@ -301,6 +301,7 @@ def test_bench_cpu_two_ranks(tmp_path, capsys):
         assert cells[5] == f"{r['speedups']['eager'][mode]:.3f}×" and cells[6] == f"{r['speedups']['compile'][mode]:.3f}×"
 
 
+@pytest.mark.slow
 def test_pp_bench_cpu_two_ranks(tmp_path):
     """The PP x EP mode (the pp subcommand, fxoverlap.bench.pp) on 2 gloo ranks: PP 2 x EP 1, DualPipeV."""
     out = tmp_path / "pp"

@@ -170,6 +170,7 @@ def test_shared_submodule_matches_eager(how):
     assert got.keys() == ref_grads.keys() and all(torch.equal(got[k], ref_grads[k]) for k in ref_grads)
 
 
+@pytest.mark.slow
 def test_shared_submodule_matches_eager_on_ep2():
     """EP 2 (2 gloo ranks, real all-to-alls), each sharing: bitwise eager's losses and grads."""
     for rank, result in enumerate(run_distributed_once(cases.ep_against_eager, list(cases.SHARING))):

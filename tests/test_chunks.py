@@ -147,6 +147,7 @@ def test_forward_only_with_random_draws_runs_microbatches_in_order():
             i for i, c in enumerate(calls) if c.startswith("F1_")), calls
 
 
+@pytest.mark.slow
 def test_hugging_face_family():
     for r in run_distributed(chunk_cases.hf_family, "qwen3_moe", 2):
         for mode in ("optimize", "backend"):
@@ -172,6 +173,7 @@ def _dispatch_stages(names, layer: int, direction: str = "fwd") -> list[str]:
     return [n for n in names if n.startswith(f"{direction}_l{layer}_dispatch")]
 
 
+@pytest.mark.slow  # one shared 2-rank spawn of ~3.5 min on CPU
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_torchtitan_optimize_cuts_its_all_to_alls(family):
     """torchtitan's own EP (functional all_to_all_single, host split sizes) through ``optimize`` with
@@ -195,6 +197,7 @@ def test_torchtitan_optimize_cuts_its_all_to_alls(family):
                 for d in ("fwd", "bwd") for kind in ("dispatch", "combine") for c in (0, 1)}, r["comm_stages"]
 
 
+@pytest.mark.slow  # one shared 2-rank spawn of ~3.5 min on CPU
 @pytest.mark.parametrize("k", [3, 4])
 def test_torchtitan_more_chunks(k):
     """8 experts (4 local): 3 chunks (uneven, 1 + 1 + 2 local experts) and 4, bitwise eager's."""
@@ -206,6 +209,7 @@ def test_torchtitan_more_chunks(k):
                 f"fwd_l{i}_dispatch"], r["stage_names"]
 
 
+@pytest.mark.slow  # one shared 2-rank spawn of ~3.5 min on CPU
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_torchtitan_backend_chunks(family):
     """``torch.compile(model, backend="fxoverlap", options={"chunks": 2})`` on torchtitan's EP model
@@ -222,6 +226,7 @@ def test_torchtitan_backend_chunks(family):
         assert set(comm.values()) == {"comm"}, comm
 
 
+@pytest.mark.slow  # one shared 2-rank spawn of ~3.5 min on CPU
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_torchtitan_backend_forward_only_chunks(family):
     """The backend under ``torch.no_grad()`` (the prefill case), chunks=2: each MoE layer's forward in
@@ -235,6 +240,7 @@ def test_torchtitan_backend_forward_only_chunks(family):
             assert _dispatch_stages(names, i) == [f"fwd_l{i}_dispatch_c0", f"fwd_l{i}_dispatch_c1"], names
 
 
+@pytest.mark.slow  # one shared 2-rank spawn of ~3.5 min on CPU
 def test_torchtitan_forward_only_pairs_and_odd_chunks():
     """``engine.forward_only`` with chunks=2 over 3 microbatches: the pair runs torchtitan's whole
     all-to-alls, each under the other's compute; the odd one its chunks. Logits bitwise."""

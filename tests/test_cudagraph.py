@@ -377,6 +377,7 @@ def test_cross_stream_readers_delay_next_replay(fake_cuda):
             assert j > i and any(e[0] == "replay" for e in log[j:])
 
 
+@pytest.mark.slow
 def test_delay_wgrad_and_mhc_replay_bitwise(fake_cuda):
     mbs = _batches(4, 256, seed=11)
     model = _model("capacity", mhc_rate=4, mtp=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -80,6 +81,7 @@ def _rank(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_inductor_stages_two_ranks():
     for rank, r in enumerate(run_distributed(_rank)):
         name = f"rank {rank}"

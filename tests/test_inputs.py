@@ -281,6 +281,7 @@ def test_call_check_runs_for_every_new_loss_fn():
         assert engine.forward_backward(mbs, loss_fn=lambda out, x: out.sum())[0].dim() == 0
 
 
+@pytest.mark.slow
 def test_keyword_microbatches_with_expert_parallelism_equal_eager():
     """2 gloo ranks, EP over both: the reference model with {"tokens", "labels"} (forward_backward,
     forward_only, engine(**kwargs)) and a tiny Qwen3-MoE with {"input_ids"} and a loss on

@@ -164,6 +164,7 @@ def _assert_close(results, labels):
             assert not math.isnan(diff)
 
 
+@pytest.mark.slow
 def test_mhc_reference_model_pipeline_matches_eager():
     results = run_distributed(_reference_model_worker, MHC_CONFIGS)
     _assert_close(results, [str(kw) for kw in MHC_CONFIGS])

@@ -142,11 +142,12 @@ def _check_p2p_order(results: list[dict]) -> None:
 @pytest.mark.parametrize("schedule,kind", [
     ("Schedule1F1B", "ref"),
     ("ScheduleDualPipeV", "ref"),
-    ("ScheduleInterleaved1F1B", "ref"),
-    ("ScheduleDualPipeV", "mhc"),
-    ("Schedule1F1B", "titan"),
-    ("ScheduleZBVZeroBubble", "ref"),  # with scale_grads=False (the reference's grads not divided)
-    ("ScheduleInterleavedZeroBubble", "ref"),
+    pytest.param("ScheduleInterleaved1F1B", "ref", marks=pytest.mark.slow),
+    pytest.param("ScheduleDualPipeV", "mhc", marks=pytest.mark.slow),
+    pytest.param("Schedule1F1B", "titan", marks=pytest.mark.slow),
+    # with scale_grads=False (the reference's grads not divided)
+    pytest.param("ScheduleZBVZeroBubble", "ref", marks=pytest.mark.slow),
+    pytest.param("ScheduleInterleavedZeroBubble", "ref", marks=pytest.mark.slow),
 ])
 def test_pp2_ep1(schedule, kind):
     # the mHC case passes loss_kwargs to step (a loss weight of 0.5, also in the reference)
@@ -159,7 +160,7 @@ def test_pp2_ep1(schedule, kind):
         assert {"dispatch", "experts", "combine"} <= kinds
 
 
-@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+@pytest.mark.parametrize("schedule", [pytest.param("Schedule1F1B", marks=pytest.mark.slow), "ScheduleDualPipeV"])
 def test_pp2_ep2(schedule):
     results = run_distributed(pp_cases.run_case, schedule, "ref", 2, world_size=4)
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
@@ -177,6 +178,7 @@ def test_pp2_ep1_dualpipe_p2p_order():
     _check_p2p_order(results)
 
 
+@pytest.mark.slow
 def test_pp2_ep1_dualpipe_defer_pp_recv_keeps_p2p_order():
     """DualPipeV with defer_pp_recv=True: on the lower PP rank pipelining flushes the deferred
     receives from the peer right before each send to it (its deadlock-free order), so a RECV
@@ -194,6 +196,7 @@ def test_pp2_ep1_dualpipe_defer_pp_recv_keeps_p2p_order():
 
 # DualPipeV: its merged OVERLAP_F_B steps and its plain F/B both run; Schedule1F1B with torchtitan's
 # model is tested at EP 1 (test_pp2_ep1), and at EP 2 it passed too (kept out of CI for its time)
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["ScheduleDualPipeV"])
 def test_pp2_ep2_torchtitan_expert_parallel(schedule):
     """torchtitan 0.3.0's Qwen3-MoE with torchtitan's own EP: split by torchtitan's _split_module,
@@ -219,6 +222,7 @@ def test_pp2_ep2_torchtitan_expert_parallel(schedule):
         assert {"dispatch", "experts", "combine"} <= kinds, kinds
 
 
+@pytest.mark.slow  # 4 ranks; AC and the padded dispatcher run without PP in the default suite
 @pytest.mark.parametrize("kind,config", [
     ("ac", {}),  # activation checkpointing: the layers' recompute stages inside each stage program
     ("ref", {"dispatcher": "padded"}),  # a static dispatcher
@@ -271,6 +275,7 @@ def test_unsupported_schedule_raises():
         fxoverlap.pipeline_schedule(Schedule1F1B, None, 4, ep_group="ep")
 
 
+@pytest.mark.slow
 def test_pp2_ep2_overlap_f_b_unmerged():
     """merge=False: each OVERLAP_F_B runs F then B through autograd; the same gradients."""
     results = run_distributed(pp_cases.run_case, "ScheduleDualPipeV", "ref", 2, {"merge": False}, world_size=4)
@@ -289,7 +294,7 @@ def test_pp2_ep1_gradient_hook_keeps_autograd():
     assert by_rank[1]["merged_steps"] == by_rank[1]["overlap_steps"]
 
 
-@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", pytest.param("ScheduleDualPipeV", marks=pytest.mark.slow)])
 def test_pp2_dp2_ddp_stage_modules(schedule):
     """PP 2 x DP 2: each stage module in DistributedDataParallel over its DP group. DDP
     reduces at the stage's last backward: with DualPipeV that is the last microbatch's
@@ -303,6 +308,7 @@ def test_pp2_dp2_ddp_stage_modules(schedule):
         assert all(n > 0 for n in r["stages"].values()), r
 
 
+@pytest.mark.slow  # 4 ranks; test_pp2_ep2_dp_group_reduction[ScheduleDualPipeV] reduces over dp_group
 @pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
 def test_pp2_dp2_dp_group_reduction(schedule):
     """PP 2 x DP 2 with fxoverlap's own reduction: plain stage modules, pipeline_schedule(...,
@@ -332,7 +338,7 @@ def test_pp2_dp2_dp_group_reduction(schedule):
             assert r["overlap_steps"] > 0 and r["merged_steps"] == r["overlap_steps"], r
 
 
-@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
+@pytest.mark.parametrize("schedule", [pytest.param("Schedule1F1B", marks=pytest.mark.slow), "ScheduleDualPipeV"])
 def test_pp2_ep2_dp_group_reduction(schedule):
     """PP 2 x EP 2 with pipeline_schedule(..., dp_group=...), the DP group being the EP group
     (each pipeline rank's 2 ranks, each with its own data and 2 of the 4 experts;
@@ -372,6 +378,7 @@ def test_pp2_ep2_dp_group_reduction(schedule):
             r["errors"]
 
 
+@pytest.mark.slow
 def test_pp1_dp4_ep2_expert_dp_group():
     """An expert_dp_group of more than one rank: PP 1 x DP 4 with EP 2 inside on 4 ranks (each
     rank a one-stage pipeline, Schedule1F1B, 4 microbatches; dp_group the world, EP groups
@@ -410,6 +417,7 @@ def test_dp_group_errors():
                                                  "ProcessGroup or None, got list"), res
 
 
+@pytest.mark.slow
 def test_pp2_ep2_hf_qwen3_moe():
     """Hugging Face Qwen3-MoE after fxoverlap.expert_parallel, split into 4 stage modules that
     compute positions, mask and rotary embeddings as the model's forward does (pp_cases.HFStage),

@@ -126,6 +126,7 @@ def test_backward_draws_refused_when_they_would_interleave(monkeypatch):
         engine.forward_backward(mbs)
 
 
+@pytest.mark.slow  # Inductor compiles; the eager-stage draws run in the default suite
 @pytest.mark.parametrize("router", ["noisy"])
 def test_inductor_program_draws_what_plain_order_draws(router):
     """With Inductor stages (its own random kernels) the interleaved program draws what the same
