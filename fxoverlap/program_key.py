@@ -137,8 +137,17 @@ def _named_diff(field: str, old: tuple, new: tuple) -> str:
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride() if t.layout == torch.strided and not _is_subclass(t) else None,
-            t.dtype, str(t.device), t.requires_grad, type(t).__name__)
+    kind = type(t)
+    plain = kind is nn.Parameter or kind is torch.Tensor or kind is nn.Buffer or not _is_subclass(t)
+    device = t.device
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return (tuple(t.shape), t.stride() if plain and t.layout == torch.strided else None,
+            t.dtype, name, t.requires_grad, kind.__name__)
+
+
+_DEVICE_NAMES: dict[torch.device, str] = {}  # str(device), which costs more than the rest of _tensor_meta
 
 
 def _is_subclass(t: torch.Tensor) -> bool:
@@ -318,22 +327,33 @@ def model_state(model: nn.Module) -> ModelState:
     buffers: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
+    ddp = torch.nn.parallel.DistributedDataParallel
+    # (the module's own attributes read from its __dict__: the walk is the cached call's largest cost)
     while stack:
         name, mod = stack.pop()
         if type(mod).named_modules is not _NAMED_MODULES:
             return _model_state_by_methods(model)
+        attrs = mod.__dict__
         dot = name + "." if name else ""
         if id(mod) not in seen:
             seen.add(id(mod))
-            _refuse_module(name, mod)
+            if attrs.get("_backward_hooks") or attrs.get("_backward_pre_hooks") or isinstance(mod, ddp):
+                _refuse_module(name, mod)
             if not mod.training:
                 evals.append(name)
-            for kind in _MODULE_HOOKS:
-                if d := getattr(mod, kind, None):
-                    hooks.append((name, kind, tuple(d)))
-        params.extend((dot + k, p) for k, p in mod._parameters.items() if p is not None)
-        buffers.extend((dot + k, b) for k, b in mod._buffers.items() if b is not None)
-        stack.extend(reversed([(dot + k, m) for k, m in mod._modules.items() if m is not None]))
+            if d := attrs.get("_forward_hooks"):
+                hooks.append((name, "_forward_hooks", tuple(d)))
+            if d := attrs.get("_forward_pre_hooks"):
+                hooks.append((name, "_forward_pre_hooks", tuple(d)))
+        for k, p in attrs["_parameters"].items():
+            if p is not None:
+                params.append((dot + k, p))
+        for k, b in attrs["_buffers"].items():
+            if b is not None:
+                buffers.append((dot + k, b))
+        children = attrs["_modules"]
+        if children:
+            stack.extend([(dot + k, m) for k, m in reversed(children.items()) if m is not None])
     return ModelState(tuple(evals), tuple(hooks), tuple(params), tuple(buffers))
 
 

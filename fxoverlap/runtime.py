@@ -172,28 +172,29 @@ def accumulate_into(model: nn.Module | NamedTensors, capture: Capture, post_hook
     produced (for a DTensor: its mesh and placements, which may differ from the
     parameter's) and accumulated as that."""
     params, buffers = NamedTensors.of(model)
-    by_value = {v: params[fqn] for v, fqn in capture.grads.items()}
+    by_value = {v: (params[fqn], capture.grad_parts.get(v)) for v, fqn in capture.grads.items()}
     n_parts = {fqn: sum(1 for v, f in capture.grads.items() if f == fqn and v in capture.grad_parts)
                for fqn in capture.grad_layouts}
     pending: dict[str, dict[tuple[str, ...], torch.Tensor]] = {}
 
     def add(p: nn.Parameter, g: torch.Tensor) -> None:
-        for hook in (p._backward_hooks or {}).values():
-            if (new := hook(g)) is not None:
-                g = new
-        if p.grad is None:
+        if hooks := p._backward_hooks:
+            for hook in hooks.values():
+                if (new := hook(g)) is not None:
+                    g = new
+        grad = p.grad
+        if grad is None:
             p.grad = g
         else:
-            p.grad.add_(g)
-        if post_hooks:
-            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            grad.add_(g)
+        if post_hooks and (hooks := getattr(p, "_post_accumulate_grad_hooks", None)):
+            for hook in hooks.values():
                 hook(p)
 
     def sink(name: str, g: torch.Tensor, graph_memory: bool) -> None:
-        p = by_value[name]
-        path = capture.grad_parts.get(name)
+        p, path = by_value[name]
         # graph memory is overwritten at the next replay: p.grad must not alias it (nor p)
-        if graph_memory or g.data_ptr() == inner_value(p, path or ()).data_ptr():
+        if graph_memory or g.data_ptr() == (p if path is None else inner_value(p, path)).data_ptr():
             g = g.detach().clone()
         if path is None:
             add(p, g.detach())
@@ -281,6 +282,7 @@ class ProgramRunner:
         self.sm_carveout = sm_carveout  # torch's setting only reaches CUDA kernels; harmless elsewhere
         self.comm_kernels_run = comm_kernels_run  # asked at each run: does its exchange run comm kernels?
         self._carveout: int | None = None  # this run's (execute)
+        self._comp_current = False  # execute: the compute stream is the current one (on our device)
         self._state: RunState | None = None
         self._on_error: Callable | None = None
         self.streams: dict[StreamKind, object] = {}
@@ -358,7 +360,12 @@ class ProgramRunner:
         return start
 
     def _ctx(self, stream: StreamKind):
-        return torch.cuda.stream(self.streams[stream]) if self.streams else _NO_STREAM
+        """The context that makes ``stream`` current: none where it is current already (the
+        compute stream is the caller's current one, on this runner's device, during
+        :meth:`execute`), so only comm-stream work switches streams."""
+        if not self.streams or (stream is StreamKind.COMP and self._comp_current):
+            return _NO_STREAM
+        return torch.cuda.stream(self.streams[stream])
 
     def _nodes(self, lo: int, hi: int) -> list[tuple[Callable, tuple]]:
         """The nodes of span ``(lo, hi)`` that do something on this runner: without streams the
@@ -419,6 +426,8 @@ class ProgramRunner:
             # the compute stream is the caller's current one (autograd may run a backward
             # on another stream than the forward's)
             self.streams[StreamKind.COMP] = torch.cuda.current_stream(self.device)
+            # (another current device: each launch makes the stream, and with it the device, current)
+            self._comp_current = self.device.index is None or torch.cuda.current_device() == self.device.index
             if part in ("backward", "input_grads") or (not isinstance(part, str) and lo == split):
                 # the backward starts: its comm work follows what came before it
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
@@ -440,6 +449,7 @@ class ProgramRunner:
                             state.memory_trace.append((*traced, live_bytes(state.stores, state.static_keys)))
         finally:
             self._state = None
+            self._comp_current = False
         if self.streams and part == "forward":
             self.streams[StreamKind.COMP].wait_stream(self.streams[StreamKind.COMM])
         if part != "forward" and hi == len(self._bound) and self.record_memory:
