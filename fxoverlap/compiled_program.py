@@ -51,10 +51,11 @@ class CompiledProgram:
     runner: ProgramRunner
 
     def run(self, static: dict[str, torch.Tensor], microbatches: Sequence[tuple], *, grads: GradSink | None = None,
-            on_error: Callable | None = None) -> RunState:
+            on_error: Callable | None = None, params: dict[str, torch.Tensor] | None = None) -> RunState:
         """Run over ``microbatches`` with the parameters and buffers ``static`` (by placeholder
-        name); gradients go to ``grads`` (None: handed out with the outputs)."""
-        return self.runner.run(static, microbatches, on_error=on_error, grads=grads)
+        name); gradients go to ``grads`` (None: handed out with the outputs); ``params``: the
+        call's parameters by name, for the gradient reduction (None: it looks them up)."""
+        return self.runner.run(static, microbatches, on_error=on_error, grads=grads, params=params)
 
     def stage_table(self) -> str:
         return format_stage_table(self.stages)

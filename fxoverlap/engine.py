@@ -23,8 +23,10 @@ from fxoverlap.inputs import (  # noqa: F401  (the errors and check_group: re-ex
     InputChecks, InputError, Microbatch, MicrobatchError, MicrobatchMismatch, check_group)
 from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.pipeline import check_disable_passes
-from fxoverlap.program_key import ProgramCache, ProgramKey, program_key, refuse_unsupported, wrapped_by_ddp
-from fxoverlap.runtime import ProgramRunner, StageHook, accumulate_into, run_post_accumulate_hooks, static_values
+from fxoverlap.program_key import (ModelState, ProgramCache, ProgramKey, model_state, program_key, refuse_unsupported,
+                                   wrapped_by_ddp)
+from fxoverlap.runtime import (NamedTensors, ProgramRunner, StageHook, accumulate_into, run_post_accumulate_hooks,
+                               static_values)
 from fxoverlap.ir.program import program_of
 
 log = logging.getLogger("fxoverlap")
@@ -80,11 +82,14 @@ class Engine:
         p = next(self.model.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 
-    def _compiled(self, inputs: Sequence[torch.Tensor], fn: Callable | None, train: bool) -> CompiledModel:
+    def _compiled(self, inputs: Sequence[torch.Tensor], fn: Callable | None, train: bool,
+                  state: ModelState | None = None) -> CompiledModel:
         """The capture and stages for calling the model on ``inputs`` with ``fn`` as its loss
-        (``train``) or output function, in the model's current state: from the cache when the
+        (``train``) or output function, in the model's current state (``state``: this call's
+        ``model_state``, taken here when None): from the cache when the
         :class:`~fxoverlap.program_key.ProgramKey` matches, else traced and compiled anew."""
-        key = program_key(self.model, inputs, getattr(inputs, "keywords", ()), fn, "train" if train else "forward", self.config, self._groups)
+        key = program_key(self.model, inputs, getattr(inputs, "keywords", ()), fn, "train" if train else "forward",
+                          self.config, self._groups, state)
         entry = self.cache.get(key)
         if entry is None:
             why = self.cache.why_new(key, fn)
@@ -99,6 +104,22 @@ class Engine:
             entry = CompiledModel.build(cap, self.config, self._device(), train)
             self.cache.put(key, entry)
         return entry
+
+    def _entry(self, inputs: Sequence[torch.Tensor], fn: Callable | None,
+               train: bool) -> tuple[CompiledModel, NamedTensors]:
+        """:meth:`_compiled` for this call, and the parameters and buffers the call runs with.
+
+        The model is walked once per call (:func:`~fxoverlap.program_key.model_state`): the key,
+        the static values, the gradient sink and the reduction's ``begin`` share that one
+        lookup by name (the program holds no parameter: ``load_state_dict(assign=True)`` or
+        ``model.to()`` make new ones, found here at the next call). A call that compiles looks
+        them up again after the capture, which runs the model's code."""
+        state = model_state(self.model)
+        compiles = self.cache.compiles
+        entry = self._compiled(inputs, fn, train, state)
+        if self.cache.compiles != compiles:
+            return entry, NamedTensors.of(self.model)
+        return entry, state.tensors
 
     def _program(self, entry: CompiledModel, n: int, train: bool = True,
                  hook: StageHook | None = None) -> CompiledProgram:
@@ -152,18 +173,16 @@ class Engine:
         over calls gives the average of the sum); every reduction has finished when this returns.
         """
         mbs = self._check(microbatches, loss_fn)
-        entry = self._compiled(mbs[0], loss_fn, train=True)
+        entry, tensors = self._entry(mbs[0], loss_fn, train=True)
         prog = self._program(entry, len(mbs))
         self._last = (entry, prog)
         cap = entry.capture
-        # the parameters are looked up by name at every call (new objects after
-        # load_state_dict(assign=True), model.to(), ...): the program holds none of them
         reduced = prog.spec.reduce_grads
         with overflow_guard(cap, self.model):
-            state = prog.run(static_values(cap, self.model), mbs, on_error=self._abort_group,
-                             grads=accumulate_into(self.model, cap, post_hooks=not reduced))
+            state = prog.run(static_values(cap, tensors), mbs, on_error=self._abort_group,
+                             grads=accumulate_into(tensors, cap, post_hooks=not reduced), params=tensors.params)
         if reduced:  # with data parallelism the hooks see the reduced gradient, once, when it is final
-            run_post_accumulate_hooks(self.model, cap)
+            run_post_accumulate_hooks(tensors, cap)
         if self.config.record_memory:
             self.memory_trace = state.memory_trace
             static = set(cap.static_placeholders)
@@ -190,11 +209,11 @@ class Engine:
         return self._forward_only(self._check(microbatches, output_fn, "forward_only", "output_fn"), output_fn)
 
     def _forward_only(self, mbs: list[tuple], output_fn: Callable | None) -> list:
-        entry = self._compiled(mbs[0], output_fn, train=False)
+        entry, tensors = self._entry(mbs[0], output_fn, train=False)
         prog = self._program(entry, len(mbs), train=False)
         self._last = (entry, prog)
         with overflow_guard(entry.capture, self.model):
-            state = prog.run(static_values(entry.capture, self.model), mbs, on_error=self._abort_group)
+            state = prog.run(static_values(entry.capture, tensors), mbs, on_error=self._abort_group)
         return [out[entry.capture.outputs[0]] for out in state.outputs]
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -304,7 +304,7 @@ class BucketReducer:
         self._before: dict[str, torch.Tensor] = {}
         self._running: set[int] = set()  # buckets of the run in progress not finished yet
 
-    def begin(self) -> None:
+    def begin(self, params: Mapping[str, nn.Parameter] | None = None) -> None:
         """A run begins (``ProgramRunner.start``): set aside what ``p.grad`` holds, so that the
         run's microbatches accumulate this call's local gradients alone and only those are
         reduced; :meth:`finish` adds the average into the set-aside tensor (in place), which
@@ -320,7 +320,9 @@ class BucketReducer:
         if self._running:  # a run that neither finished nor was abandoned (its caller never ran it to the end)
             self.abandon()
         # by name at every run: load_state_dict(assign=True) or model.to() may have made new parameters
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        # (``params``: the call's own lookup, when the caller made one)
+        if params is None:
+            params = dict(self.model.named_parameters(remove_duplicate=False))
         self.params = {v: params[fqn] for v, fqn in self.fqns.items()}
         if self.owner.mode == "all_reduce":
             for b in self.buckets:

@@ -10,7 +10,8 @@ call instead: the parameters and buffers themselves (by name, so ``load_state_di
 ``copy.deepcopy`` and ``model.to()`` keep training the model's own tensors) and the
 parameters' gradient hooks (run by the engine as eager runs them).
 
-Building a key is one pass over the modules and one over the parameters and buffers.
+Building a key is one walk over the modules (:func:`model_state`), which also gives the call
+its parameters and buffers by name, shared by everything that reads them in that call.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxoverlap.ir.errors import FxOverlapError
+from fxoverlap.runtime import NamedTensors
 
 log = logging.getLogger("fxoverlap.cache")
 
@@ -135,8 +137,17 @@ def _named_diff(field: str, old: tuple, new: tuple) -> str:
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride() if t.layout == torch.strided and not _is_subclass(t) else None,
-            t.dtype, str(t.device), t.requires_grad, type(t).__name__)
+    kind = type(t)
+    plain = kind is nn.Parameter or kind is torch.Tensor or kind is nn.Buffer or not _is_subclass(t)
+    device = t.device
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return (tuple(t.shape), t.stride() if plain and t.layout == torch.strided else None,
+            t.dtype, name, t.requires_grad, kind.__name__)
+
+
+_DEVICE_NAMES: dict[torch.device, str] = {}  # str(device), which costs more than the rest of _tensor_meta
 
 
 def _is_subclass(t: torch.Tensor) -> bool:
@@ -271,9 +282,83 @@ def _refuse_global_backward_hooks() -> None:
                 f"only. Remove it while fxoverlap runs the model")
 
 
-def _module_state(model: nn.Module) -> tuple[tuple[str, ...], tuple]:
-    """One pass over the modules: the ones not in training mode, the forward hooks (global ones
-    first) by handle, and the refusals of :func:`refuse_unsupported`."""
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """What one call reads of the model, from one walk over its modules: the submodules not in
+    training mode and the forward hooks (the key's ``eval_modules`` and ``hooks``, each module
+    once, first name), and every parameter and buffer by name (``remove_duplicate=False``, a
+    shared module under each of its names: what ``named_parameters`` / ``named_buffers`` give).
+    The engine takes one per call and shares it: the key, the static values, the gradient sink
+    and the reduction's ``begin`` read the same parameter objects, looked up once."""
+
+    eval_modules: tuple[str, ...]
+    hooks: tuple
+    params: tuple[tuple[str, torch.Tensor], ...]
+    buffers: tuple[tuple[str, torch.Tensor], ...]
+
+    @functools.cached_property
+    def tensors(self) -> NamedTensors:
+        """The parameters and buffers by name (the runtime's lookups)."""
+        return NamedTensors(dict(self.params), dict(self.buffers))
+
+
+_NAMED_MODULES = nn.Module.named_modules
+_NAMED_MEMBERS = (nn.Module.named_parameters, nn.Module.named_buffers, nn.Module._named_members)
+
+
+def model_state(model: nn.Module) -> ModelState:
+    """The :class:`ModelState` of ``model`` now, raising :class:`UnsupportedModelState` for what
+    :func:`refuse_unsupported` refuses.
+
+    One explicit walk over ``_modules`` in ``named_modules``' order (preorder, children in
+    registration order), rather than ``named_modules`` + ``named_parameters`` +
+    ``named_buffers`` (three walks of nested generators, and the largest part of a cached
+    call's host time). It gives exactly what they give: a module reached twice is walked under
+    each name for its parameters and buffers, as ``remove_duplicate=False`` does, and counted
+    once (its first name) for the training flags and hooks, as ``named_modules()`` does. A model
+    whose modules override ``named_modules`` (or whose root overrides ``named_parameters`` /
+    ``named_buffers``) is read through those methods instead."""
+    _refuse_global_backward_hooks()
+    if any(getattr(type(model), f.__name__) is not f for f in _NAMED_MEMBERS):
+        return _model_state_by_methods(model)
+    evals: list[str] = []
+    hooks = [("<global>", kind, tuple(g)) for kind in _MODULE_HOOKS if (g := _global_hooks(kind))]
+    params: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    ddp = torch.nn.parallel.DistributedDataParallel
+    # (the module's own attributes read from its __dict__: the walk is the cached call's largest cost)
+    while stack:
+        name, mod = stack.pop()
+        if type(mod).named_modules is not _NAMED_MODULES:
+            return _model_state_by_methods(model)
+        attrs = mod.__dict__
+        dot = name + "." if name else ""
+        if id(mod) not in seen:
+            seen.add(id(mod))
+            if attrs.get("_backward_hooks") or attrs.get("_backward_pre_hooks") or isinstance(mod, ddp):
+                _refuse_module(name, mod)
+            if not mod.training:
+                evals.append(name)
+            if d := attrs.get("_forward_hooks"):
+                hooks.append((name, "_forward_hooks", tuple(d)))
+            if d := attrs.get("_forward_pre_hooks"):
+                hooks.append((name, "_forward_pre_hooks", tuple(d)))
+        for k, p in attrs["_parameters"].items():
+            if p is not None:
+                params.append((dot + k, p))
+        for k, b in attrs["_buffers"].items():
+            if b is not None:
+                buffers.append((dot + k, b))
+        children = attrs["_modules"]
+        if children:
+            stack.extend([(dot + k, m) for k, m in reversed(children.items()) if m is not None])
+    return ModelState(tuple(evals), tuple(hooks), tuple(params), tuple(buffers))
+
+
+def _model_state_by_methods(model: nn.Module) -> ModelState:
+    """:func:`model_state` through ``named_modules`` / ``named_parameters`` / ``named_buffers``."""
     _refuse_global_backward_hooks()
     evals: list[str] = []
     hooks = [("<global>", kind, tuple(g)) for kind in _MODULE_HOOKS if (g := _global_hooks(kind))]
@@ -282,7 +367,8 @@ def _module_state(model: nn.Module) -> tuple[tuple[str, ...], tuple]:
         if not mod.training:
             evals.append(name)
         hooks.extend((name, kind, tuple(d)) for kind in _MODULE_HOOKS if (d := getattr(mod, kind, None)))
-    return tuple(evals), tuple(hooks)
+    return ModelState(tuple(evals), tuple(hooks), tuple(model.named_parameters(remove_duplicate=False)),
+                      tuple(model.named_buffers(remove_duplicate=False)))
 
 
 def wrapped_by_ddp(model: nn.Module) -> UnsupportedModelState | None:
@@ -313,23 +399,26 @@ def group_keys(groups: dict[str, dist.ProcessGroup | None]) -> tuple:
 
 
 def program_key(model: nn.Module, inputs: Sequence[torch.Tensor], keywords: tuple[str, ...], fn: Callable | None,
-                role: str, config: object, groups: dict[str, dist.ProcessGroup | None]) -> ProgramKey:
+                role: str, config: object, groups: dict[str, dist.ProcessGroup | None],
+                state: ModelState | None = None) -> ProgramKey:
     """The :class:`ProgramKey` of calling ``model`` on ``inputs`` (the last ``len(keywords)`` of
     them passed by those keywords) with ``fn`` as the loss (``role="train"``) or output
-    (``"forward"``) function. Raises :class:`UnsupportedModelState` for a model no program can
-    honour (:func:`refuse_unsupported`)."""
-    eval_modules, hooks = _module_state(model)
+    (``"forward"``) function; ``state``: ``model_state(model)`` taken for this call (taken here
+    when None). Raises :class:`UnsupportedModelState` for a model no program can honour
+    (:func:`refuse_unsupported`)."""
+    if state is None:
+        state = model_state(model)
     names = (None,) * (len(inputs) - len(keywords)) + tuple(keywords)
     return ProgramKey(
         role=role,
         inputs=tuple((i if k is None else k, *_tensor_meta(t)) for i, (k, t) in enumerate(zip(names, inputs))),
-        params=tuple((n, *_tensor_meta(p)) for n, p in model.named_parameters(remove_duplicate=False)),
-        buffers=tuple((n, *_tensor_meta(b)) for n, b in model.named_buffers(remove_duplicate=False)),
-        eval_modules=eval_modules,
+        params=tuple((n, *_tensor_meta(p)) for n, p in state.params),
+        buffers=tuple((n, *_tensor_meta(b)) for n, b in state.buffers),
+        eval_modules=state.eval_modules,
         grad_mode=torch.is_grad_enabled(),
         autocast=tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
         deterministic=torch.are_deterministic_algorithms_enabled(),
-        hooks=hooks,
+        hooks=state.hooks,
         fn=fn_key(fn),
         config=repr(config),
         groups=group_keys(groups),

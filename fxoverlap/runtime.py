@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -46,6 +47,9 @@ class LayoutMismatch(FxOverlapError, RuntimeError):
 # FXOVERLAP_CHECK_LAYOUTS=1: check every input of an Inductor-compiled stage against the layout
 # it was compiled for, before the call (passes/inductor.py, "Layout contract at stage boundaries").
 CHECK_LAYOUTS_ENV = "FXOVERLAP_CHECK_LAYOUTS"
+
+
+_NO_STREAM = contextlib.nullcontext()  # reusable: no state between uses
 
 
 def check_layouts_requested() -> bool:
@@ -125,11 +129,27 @@ class StageFailed(FxOverlapError, RuntimeError):
                    f"microbatch {microbatch}: {type(exc).__name__}: {exc}")
 
 
-def static_values(capture: Capture, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers of ``model`` under their placeholder names (a tensor
-    subclass's flattened parts under theirs)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
+class NamedTensors(NamedTuple):
+    """A model's parameters and buffers by name (``named_parameters`` / ``named_buffers`` with
+    ``remove_duplicate=False``), as one call found them: looked up once per call (the engine's
+    ``program_key.model_state``) and read by everything in that call."""
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module | NamedTensors) -> NamedTensors:
+        """``model``'s parameters and buffers now (``model`` itself when it is one already)."""
+        if isinstance(model, NamedTensors):
+            return model
+        return cls(dict(model.named_parameters(remove_duplicate=False)),
+                   dict(model.named_buffers(remove_duplicate=False)))
+
+
+def static_values(capture: Capture, model: nn.Module | NamedTensors) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of ``model`` (or of the call's :class:`NamedTensors`) under their
+    placeholder names (a tensor subclass's flattened parts under theirs)."""
+    params, buffers = NamedTensors.of(model)
     out = {ph: params[fqn] for ph, fqn in capture.param_placeholders.items()}
     out.update({ph: buffers[fqn] for ph, fqn in capture.buffer_placeholders.items()})
     for ph, (fqn, path) in capture.subclass_placeholders.items():
@@ -137,9 +157,10 @@ def static_values(capture: Capture, model: nn.Module) -> dict[str, torch.Tensor]
     return out
 
 
-def accumulate_into(model: nn.Module, capture: Capture, post_hooks: bool = True) -> GradSink:
+def accumulate_into(model: nn.Module | NamedTensors, capture: Capture, post_hooks: bool = True) -> GradSink:
     """A :data:`GradSink` that adds into ``p.grad`` as eager's AccumulateGrad does, with the
-    parameters ``model`` has now (looked up by name: make one per run).
+    parameters ``model`` has now (looked up by name: make one per run; or the call's
+    :class:`NamedTensors`).
 
     As in eager, each microbatch's gradient first goes through the parameter's tensor hooks
     (``p.register_hook``; a hook's return value replaces it), and after it is added the
@@ -150,30 +171,30 @@ def accumulate_into(model: nn.Module, capture: Capture, post_hooks: bool = True)
     parts are all in, they are wrapped into the subclass the traced backward
     produced (for a DTensor: its mesh and placements, which may differ from the
     parameter's) and accumulated as that."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    by_value = {v: params[fqn] for v, fqn in capture.grads.items()}
+    params, buffers = NamedTensors.of(model)
+    by_value = {v: (params[fqn], capture.grad_parts.get(v)) for v, fqn in capture.grads.items()}
     n_parts = {fqn: sum(1 for v, f in capture.grads.items() if f == fqn and v in capture.grad_parts)
                for fqn in capture.grad_layouts}
     pending: dict[str, dict[tuple[str, ...], torch.Tensor]] = {}
 
     def add(p: nn.Parameter, g: torch.Tensor) -> None:
-        for hook in (p._backward_hooks or {}).values():
-            if (new := hook(g)) is not None:
-                g = new
-        if p.grad is None:
+        if hooks := p._backward_hooks:
+            for hook in hooks.values():
+                if (new := hook(g)) is not None:
+                    g = new
+        grad = p.grad
+        if grad is None:
             p.grad = g
         else:
-            p.grad.add_(g)
-        if post_hooks:
-            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            grad.add_(g)
+        if post_hooks and (hooks := getattr(p, "_post_accumulate_grad_hooks", None)):
+            for hook in hooks.values():
                 hook(p)
 
     def sink(name: str, g: torch.Tensor, graph_memory: bool) -> None:
-        p = by_value[name]
-        path = capture.grad_parts.get(name)
+        p, path = by_value[name]
         # graph memory is overwritten at the next replay: p.grad must not alias it (nor p)
-        if graph_memory or g.data_ptr() == inner_value(p, path or ()).data_ptr():
+        if graph_memory or g.data_ptr() == (p if path is None else inner_value(p, path)).data_ptr():
             g = g.detach().clone()
         if path is None:
             add(p, g.detach())
@@ -193,10 +214,10 @@ def accumulate_into(model: nn.Module, capture: Capture, post_hooks: bool = True)
     return sink
 
 
-def run_post_accumulate_hooks(model: nn.Module, capture: Capture) -> None:
+def run_post_accumulate_hooks(model: nn.Module | NamedTensors, capture: Capture) -> None:
     """Run each parameter's post-accumulate-grad hooks once, for the parameters the capture
     computes gradients of (after a step's reduction has made their ``.grad`` final)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = NamedTensors.of(model).params
     for fqn in dict.fromkeys(capture.grads.values()):
         p = params[fqn]
         for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
@@ -261,6 +282,7 @@ class ProgramRunner:
         self.sm_carveout = sm_carveout  # torch's setting only reaches CUDA kernels; harmless elsewhere
         self.comm_kernels_run = comm_kernels_run  # asked at each run: does its exchange run comm kernels?
         self._carveout: int | None = None  # this run's (execute)
+        self._comp_current = False  # execute: the compute stream is the current one (on our device)
         self._state: RunState | None = None
         self._on_error: Callable | None = None
         self.streams: dict[StreamKind, object] = {}
@@ -293,7 +315,10 @@ class ProgramRunner:
                     self.backward_start = len(self._bound)
                     while self.backward_start and self._bound[self.backward_start - 1][0] == self.wait_event:
                         self.backward_start -= 1  # waits that precede the first backward stage go with it
-                self._bound.append((self.call_stage, (node, stage, mb, cross)))
+                # what the launch reads, fixed once: the value names, the stream, the carveout's kind
+                self._bound.append((self.call_stage, (node, stage, mb, cross, tuple(stage.inputs),
+                                                      tuple(stage.outputs), stage.stream,
+                                                      stage.kind is StageKind.EXPERTS)))
                 self._traced.append((node.name, mb))
             elif node.op == "call_function":
                 if node.target not in methods:
@@ -314,6 +339,11 @@ class ProgramRunner:
         self._spans: dict[str, tuple[int, int]] = {
             "all": (0, end), "forward": (0, split), "backward": (split, end),
             "input_grads": (split, weight), "weight_grads": (weight, end)}
+        # per span run: its nodes less those that do nothing here (events without streams)
+        self._runs: dict[tuple[int, int], list[tuple[Callable, tuple]]] = {}
+        # the tangents' seeds (default: ones, as loss.backward() seeds), by shape and dtype
+        self._seeds = [(ph, node.meta["val"]) for ph in self.capture.tangents
+                       for node in self.capture.graph_module.graph.find_nodes(op="placeholder", target=ph)[:1]]
 
     def _weight_start(self) -> int:
         """Where the backward's trailing weight-gradient part begins (a program scheduled with
@@ -330,15 +360,32 @@ class ProgramRunner:
         return start
 
     def _ctx(self, stream: StreamKind):
-        return torch.cuda.stream(self.streams[stream]) if self.streams else contextlib.nullcontext()
+        """The context that makes ``stream`` current: none where it is current already (the
+        compute stream is the caller's current one, on this runner's device, during
+        :meth:`execute`), so only comm-stream work switches streams."""
+        if not self.streams or (stream is StreamKind.COMP and self._comp_current):
+            return _NO_STREAM
+        return torch.cuda.stream(self.streams[stream])
+
+    def _nodes(self, lo: int, hi: int) -> list[tuple[Callable, tuple]]:
+        """The nodes of span ``(lo, hi)`` that do something on this runner: without streams the
+        event nodes are no-ops, left out (the spans keep their indices)."""
+        run = self._runs.get((lo, hi))
+        if run is None:
+            noop = () if self.streams else (self.record_event, self.wait_event)
+            run = self._runs[(lo, hi)] = [b for b in self._bound[lo:hi] if b[0] not in noop]
+        return run
 
     # ---------------------------------------------------------------- running
     def start(self, static: dict[str, torch.Tensor], microbatches: Sequence[Sequence[torch.Tensor]],
-              tangents: Sequence[Sequence[torch.Tensor]] | None = None, grads: GradSink | None = None) -> RunState:
+              tangents: Sequence[Sequence[torch.Tensor]] | None = None, grads: GradSink | None = None,
+              params: dict[str, torch.Tensor] | None = None) -> RunState:
         """Value stores for a run: shared parameters and buffers, each microbatch's inputs,
         and its tangents (default: ones for a scalar loss, as ``loss.backward()`` seeds).
         ``grads``: where this run's gradients go, in place of the runner's sink (the engine
-        makes one per call from the model's current parameters)."""
+        makes one per call from the model's current parameters); ``params``: the call's
+        parameters by name (:class:`NamedTensors`), for the reduction's ``begin`` (None: it
+        looks them up itself)."""
         cap = self.capture
         stores = []
         for i, mb in enumerate(microbatches):
@@ -347,15 +394,14 @@ class ProgramRunner:
             if tangents is not None:
                 store.update(zip(cap.tangents, tangents[i]))
             else:
-                for ph in cap.tangents:
-                    val = cap.graph_module.graph.find_nodes(op="placeholder", target=ph)[0].meta["val"]
+                for ph, val in self._seeds:
                     store[ph] = torch.ones(val.shape, dtype=val.dtype, device=self.device)
             stores.append(store)
         state = RunState(stores, [{} for _ in microbatches], grads=grads if grads is not None else self.grads)
         if self.reducer is not None:
             # what p.grad holds now is already reduced: set it aside, so only this run's gradients
             # are reduced (the averages are added into it at the finish nodes)
-            self.reducer.begin()
+            self.reducer.begin(params)
         if self.record_memory:
             state.static_keys = static_storage_keys(static)
         return state
@@ -380,6 +426,8 @@ class ProgramRunner:
             # the compute stream is the caller's current one (autograd may run a backward
             # on another stream than the forward's)
             self.streams[StreamKind.COMP] = torch.cuda.current_stream(self.device)
+            # (another current device: each launch makes the stream, and with it the device, current)
+            self._comp_current = self.device.index is None or torch.cuda.current_device() == self.device.index
             if part in ("backward", "input_grads") or (not isinstance(part, str) and lo == split):
                 # the backward starts: its comm work follows what came before it
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
@@ -392,7 +440,7 @@ class ProgramRunner:
             # an ambient autocast would cast their ops again (AOTAutograd's runtime does the same)
             with torch.no_grad(), torch._C._DisableAutocast():
                 if not self.record_memory:
-                    for fn, args in self._bound[lo:hi]:
+                    for fn, args in self._nodes(lo, hi):
                         fn(*args)
                 else:
                     for (fn, args), traced in zip(self._bound[lo:hi], self._traced[lo:hi]):
@@ -401,6 +449,7 @@ class ProgramRunner:
                             state.memory_trace.append((*traced, live_bytes(state.stores, state.static_keys)))
         finally:
             self._state = None
+            self._comp_current = False
         if self.streams and part == "forward":
             self.streams[StreamKind.COMP].wait_stream(self.streams[StreamKind.COMM])
         if part != "forward" and hi == len(self._bound) and self.record_memory:
@@ -441,9 +490,11 @@ class ProgramRunner:
         return out
 
     def run(self, static: dict[str, torch.Tensor], microbatches: Sequence[Sequence[torch.Tensor]],
-            on_error: Callable | None = None, grads: GradSink | None = None) -> RunState:
-        """The whole program over ``microbatches``; the state holds each one's outputs."""
-        state = self.start(static, microbatches, grads=grads)
+            on_error: Callable | None = None, grads: GradSink | None = None,
+            params: dict[str, torch.Tensor] | None = None) -> RunState:
+        """The whole program over ``microbatches``; the state holds each one's outputs
+        (``grads``, ``params``: as :meth:`start` takes them)."""
+        state = self.start(static, microbatches, grads=grads, params=params)
         try:
             self.execute(state, "all", on_error)
         except BaseException:
@@ -453,46 +504,63 @@ class ProgramRunner:
         return state
 
     # ---------------------------------------------------------------- node kinds
-    def call_stage(self, node: torch.fx.Node, stage: Stage, mb: int, cross: tuple[int, ...]) -> None:
+    def call_stage(self, node: torch.fx.Node, stage: Stage, mb: int, cross: tuple[int, ...],
+                   inputs: tuple[str, ...], outputs: tuple[str, ...], stream: StreamKind, experts: bool) -> None:
+        """Launch ``stage`` on microbatch ``mb`` (``inputs`` / ``outputs``: its value names;
+        ``stream``: its stream; ``experts``: its grouped GEMMs take the SM carveout), all fixed
+        when the node was bound. The common launch (no hook, no CUDA graphs, no carveout, no
+        layout check) calls the stage's code directly: an eager stage's ``forward``, without
+        ``nn.Module.__call__`` (a stage module has no hooks), an Inductor stage's callable."""
         state = self._state
         store = state.stores[mb]
-        with self._ctx(stage.stream):
-            args = [store[v] for v in stage.inputs]
-            if self.streams:
-                stream = self.streams[stage.stream]
+        graphed = False
+        with self._ctx(stream):
+            args = [store[v] for v in inputs]
+            if cross and self.streams:
+                on = self.streams[stream]
                 for i in cross:
                     # allocated on the other stream: keep its block from being reused there
                     # until this stream is done with it
                     if isinstance(args[i], torch.Tensor):
-                        args[i].record_stream(stream)
-            graphed = [False]
-
-            def run() -> tuple:  # the stage as this runner runs it: graphed or not
-                if stage.graphed and self.cuda_graphs is not None:
-                    outs, graphed[0] = self.cuda_graphs.call(node, stage, args)
-                    return outs
-                return stage(*args)
-
+                        args[i].record_stream(on)
             # the experts' grouped GEMMs (persistent kernels, one block per SM) leave the comm
             # kernels their SMs; the others use every SM (docs/design.md, "SM carveout")
-            carve = self._carveout if stage.kind is StageKind.EXPERTS else None
+            carve = self._carveout if experts else None
             try:
                 if self.layouts is not None:
                     self.layouts.check(stage, args, mb)
-                # a hook (the benchmark's) wraps the call the step makes, graphs included
-                with sm_carveout(carve):
-                    outs = run() if self.hook is None else self.hook(node, stage, run)
-                if self.cuda_graphs is not None:
-                    self.cuda_graphs.note_reads(args)
+                if carve is None and self.hook is None and self.cuda_graphs is None:
+                    compiled = stage.compiled  # read at each launch: a test may swap it
+                    outs = compiled(*args) if compiled is not None else stage.graph_module.forward(*args)
+                else:
+                    outs, graphed = self._launch(node, stage, args, carve)
             except Exception as e:
                 if self._on_error is not None:
                     self._on_error(e)
                 if isinstance(e, LayoutMismatch):  # names the stage already
                     raise
                 raise StageFailed.of(stage, mb, e) from e
-        store.update(zip(stage.outputs, outs))
-        if graphed[0]:
-            state.graph_owned.update((mb, v) for v in stage.outputs)
+        store.update(zip(outputs, outs))
+        if graphed:
+            state.graph_owned.update((mb, v) for v in outputs)
+
+    def _launch(self, node: torch.fx.Node, stage: Stage, args: list, carve: int | None) -> tuple[Sequence, bool]:
+        """A launch through the hook, the CUDA graphs or the carveout: its outputs, and whether
+        they are graph memory."""
+        graphed = [False]
+
+        def run() -> Sequence:  # the stage as this runner runs it: graphed or not
+            if stage.graphed and self.cuda_graphs is not None:
+                outs, graphed[0] = self.cuda_graphs.call(node, stage, args)
+                return outs
+            return stage(*args)
+
+        # a hook (the benchmark's) wraps the call the step makes, graphs included
+        with sm_carveout(carve):
+            outs = run() if self.hook is None else self.hook(node, stage, run)
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.note_reads(args)
+        return outs, graphed[0]
 
     def record_event(self, name: str, stream: str) -> None:
         if self.streams:

@@ -433,3 +433,40 @@ def test_every_compile_logs_why(caplog):
     assert "first call" in reasons[0]
     assert "params 'layers.0." in reasons[1] and "True" in reasons[1]
     assert "now in eval mode" in reasons[2]
+
+
+def test_the_model_walk_reads_what_named_modules_and_named_parameters_read():
+    """``model_state``'s one walk (the key, the static values, the gradient sink: one lookup per
+    call) gives exactly the training flags, hooks, parameters and buffers that the key read
+    through ``named_modules`` / ``named_parameters`` / ``named_buffers`` before: a module shared
+    under two names (its parameters under both, its flags and hooks once), a None child, a None
+    parameter, eval mode and forward hooks deep in the tree; a module overriding
+    ``named_modules`` is read through the methods."""
+    from fxoverlap.program_key import _model_state_by_methods, model_state
+
+    shared = nn.Linear(4, 4)
+    shared.register_buffer("scale", torch.ones(4))
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), shared, nn.LayerNorm(4))
+    model[0].register_module("missing", None)
+    model[2].register_parameter("absent", None)
+    model[0].eval()
+    shared.eval()
+    handle = shared.register_forward_hook(lambda m, a, o: None)
+    model.register_forward_pre_hook(lambda m, a: None)
+    fast, slow = model_state(model), _model_state_by_methods(model)
+    assert fast == slow
+    assert [n for n, _ in fast.params] == ["0.0.weight", "0.0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+    assert fast.eval_modules == ("0", "0.0", "0.1") and [h[0] for h in fast.hooks] == ["", "0.0"]
+    assert fast.tensors.params["1.weight"] is shared.weight and fast.tensors.buffers["1.scale"] is shared.scale
+    handle.remove()
+    assert model_state(model).hooks != fast.hooks
+
+    class Renamed(nn.Sequential):
+        def named_modules(self, *args, **kwargs):
+            return super().named_modules(*args, **kwargs)
+
+    odd = Renamed(nn.Linear(2, 2))
+    assert model_state(odd) == _model_state_by_methods(odd)
+    with pytest.raises(UnsupportedModelState):
+        shared.register_full_backward_hook(lambda *a: None)
+        model_state(model)

@@ -45,6 +45,8 @@ COMMANDS: dict[str, Command] = {
                     "P2P off (was scripts/gpu_bench.sh)", "python"),
     "summary": Command("summary", "main", "markdown tables of a folder of bench JSON (and peer logs)", "python"),
     "table": Command("emulated_table", "main", "the emulated-EP table of a folder of bench JSON", "python"),
+    "host-time": Command("host_time", "main", "host (Python) ms per training step of both front ends, CPU, "
+                         "tiny shapes", "python"),
     "slot-balance": Command("slot_balance", "main", "where the merged steps lose the link's time, from a "
                             "stage-timed bench JSON", "python"),
     "checks": Command("gpu_checks", "main", "GPU checks: bf16 numerics, memory, recompute, CSAN, row_sum, "
