@@ -45,6 +45,8 @@ COMMANDS: dict[str, Command] = {
                     "P2P off (was scripts/gpu_bench.sh)", "python"),
     "summary": Command("summary", "main", "markdown tables of a folder of bench JSON (and peer logs)", "python"),
     "table": Command("emulated_table", "main", "the emulated-EP table of a folder of bench JSON", "python"),
+    "hf-timeline": Command("hf_timeline", "main", "one HF model and mode at released shapes with its last step "
+                           "under torch.profiler: per-stream busy time, holds, launches, syncs", "python"),
     "host-time": Command("host_time", "main", "host (Python) ms per training step of both front ends, CPU, "
                          "tiny shapes", "python"),
     "slot-balance": Command("slot_balance", "main", "where the merged steps lose the link's time, from a "
