@@ -1,19 +1,39 @@
-"""Helpers for multi-rank tests: spawn ``world_size`` gloo ranks on 127.0.0.1."""
+"""Helpers for multi-rank tests: start ``world_size`` gloo ranks on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import pickle
 import socket
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from fxoverlap.ir.errors import FxOverlapError
+
+#: ``spawn`` restores a fresh interpreter per rank (each re-imports torch and fxoverlap, 3-6 s
+#: of CPU); the default, ``forkserver``, forks ranks from one server that imported them once.
+START_METHOD_ENV = "FXOVERLAP_TEST_START_METHOD"
+_START_METHODS = ("forkserver", "spawn")
+#: What the fork server imports once, before it forks any rank. Only imports: the server is a
+#: fresh interpreter, so no state of the calling process (a test's torch._dynamo config, say)
+#: reaches it.
+_PRELOAD = ("torch", "torch.distributed", "fxoverlap", "fxoverlap.testing")
+#: Variables read when torch, fxoverlap or Python import (TORCH_LOGS, TORCHINDUCTOR_*,
+#: OMP_NUM_THREADS, PYTHONHASHSEED, ...): the server imported those with the environment it
+#: started with, so a call that changes one of them starts its ranks with spawn instead.
+_IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "PYTHON", "CUDA", "LD_")
+#: The environment the fork server starts with: this module's import (test collection, before
+#: any test's monkeypatch), not whatever test happens to start the first ranks.
+_SERVER_ENV = dict(os.environ)
 
 
 class RankError(FxOverlapError, RuntimeError):
@@ -26,11 +46,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+def _worker(rank: int, world_size: int, port: int, payload: bytes, env: dict[str, str], out_dir: str) -> None:
+    # The caller's environment at call time, before anything reads it (a forked rank holds the
+    # fork server's); then the test function and its arguments, whose modules may read it.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
+        fn, args = pickle.loads(payload)
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException as e:  # report, don't hang the other rank's join
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -44,15 +69,51 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _start_method(env: dict[str, str]) -> str:
+    """``spawn`` or ``forkserver`` (starting the server if it is not running)."""
+    method = env.get(START_METHOD_ENV, "forkserver")
+    if method not in _START_METHODS:
+        raise FxOverlapError(f"fxoverlap.testing: {START_METHOD_ENV}={method!r} is not a start method "
+                             f"for test ranks; use one of {', '.join(_START_METHODS)}")
+    changed = {k for k in env.keys() | _SERVER_ENV.keys() if env.get(k) != _SERVER_ENV.get(k)}
+    if method == "spawn" or any(k.startswith(_IMPORT_TIME_ENV) for k in changed):
+        return "spawn"
+    # pytest's __main__ is imported by every rank (multiprocessing restores the caller's
+    # __main__ in it): import pytest in the server too.
+    preload = [*_PRELOAD, *(["pytest"] if "pytest" in sys.modules else [])]
+    multiprocessing.set_forkserver_preload(preload)
+    with _environ(_SERVER_ENV):
+        multiprocessing.forkserver.ensure_running()
+    return "forkserver"
+
+
 def run_distributed(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
-    ``fn`` must be importable (defined at module level). An exception on a rank is
-    re-raised here with that rank's traceback.
+    ``fn`` must be importable (defined at module level); each rank sees the caller's
+    ``os.environ``, ``sys.path`` and working directory as they are at the call. An exception on
+    a rank is re-raised here with that rank's traceback. The ranks are forked from a server
+    that imported torch and fxoverlap once (``FXOVERLAP_TEST_START_METHOD=spawn``: a fresh
+    interpreter per rank, as before).
     """
+    env = dict(os.environ)
+    method = _start_method(env)
+    payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, d), nprocs=world_size,
-                           start_method="spawn")
+        mp.start_processes(_worker, args=(world_size, free_port(), payload, env, d), nprocs=world_size,
+                           start_method=method)
         results = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     errors = [f"rank {r}: {msg}" for r, (status, msg) in enumerate(results) if status == "error"]
     if errors:
