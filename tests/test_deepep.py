@@ -139,13 +139,11 @@ fwd_l1_experts   1      experts   fwd  comp    21   8   12   eager  no: data-dep
 fwd_l1_combine   1      combine   fwd  comm    1    2   1    eager  no: communication stage (stays eager on the comm stream)
 fwd_l1_post      1      post      fwd  comp    3    3   1    eager  yes
 fwd_model_head   2      head      fwd  comp    18   4   10   eager  yes
-bwd_model_head   2      head      bwd  comp    29   12  3    eager  yes
-bwd_l1_post      1      post      bwd  comp    1    1   1    eager  no: only views and metadata ops, nothing to capture
+bwd_model_head   2      head      bwd  comp    30   12  4    eager  yes
 bwd_l1_combine   1      combine   bwd  comm    1    1   1    eager  no: communication stage (stays eager on the comm stream)
 bwd_l1_experts   1      experts   bwd  comp    18   14  4    eager  no: data-dependent shape at node gather (aten.gather)
 bwd_l1_dispatch  1      dispatch  bwd  comm    2    2   2    eager  no: communication stage (stays eager on the comm stream)
-bwd_l1_attn      1      attn      bwd  comp    63   21  6    eager  yes
-bwd_l0_post      0      post      bwd  comp    1    1   1    eager  no: only views and metadata ops, nothing to capture
+bwd_l1_attn      1      attn      bwd  comp    64   21  7    eager  yes
 bwd_l0_combine   0      combine   bwd  comm    1    1   1    eager  no: communication stage (stays eager on the comm stream)
 bwd_l0_experts   0      experts   bwd  comp    18   14  4    eager  no: data-dependent shape at node gather_1 (aten.gather)
 bwd_l0_dispatch  0      dispatch  bwd  comm    2    2   2    eager  no: communication stage (stays eager on the comm stream)

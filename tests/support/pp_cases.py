@@ -295,7 +295,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     wgrad_calls = {"in_W": 0, "elsewhere": 0}
     in_weight_step = [False]
 
-    def call_stage(self, node, stage, mb, cross):
+    def call_stage(self, node, stage, mb, cross, *bound):
         what = (str(stage.direction), str(stage.kind) + (f".{stage.part}" if str(stage.part) else ""))
         if merged_calls and merged_calls[-1] is not None:
             merged_calls[-1].append(what)
@@ -303,7 +303,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
             current[0].append(what)
         if str(stage.part) == "wgrad":
             wgrad_calls["in_W" if in_weight_step[0] else "elsewhere"] += 1
-        return orig_call(self, node, stage, mb, cross)
+        return orig_call(self, node, stage, mb, cross, *bound)
 
     ours = list(sched.fxoverlap_run.stages.values())  # the stages the schedule runs (built from ours)
 
