@@ -21,7 +21,7 @@ needs: tests/test_passes.py.)
   same order.
 
 What needs a GPU (real capture, memory pools, streams, NCCL teardown) is in
-``scripts/gpu_cudagraph_check.py``.
+``python -m fxoverlap.bench cudagraph``.
 """
 
 from __future__ import annotations

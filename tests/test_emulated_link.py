@@ -421,7 +421,7 @@ def test_sm_carveout_is_set_for_the_experts_stages_and_restored():
 
 
 def test_expert_parallel_hf_model_over_an_emulated_group_matches_eager():
-    """scripts/hf_gpu_check.py's path: transformers' model made EP over the stand-in group (one rank
+    """``bench hf``'s path: transformers' model made EP over the stand-in group (one rank
     for compute; not in torch's group registry), every exchange counted, outputs and grads eager's."""
     import hf_cases
 
