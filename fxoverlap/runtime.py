@@ -509,8 +509,7 @@ class ProgramRunner:
         """Launch ``stage`` on microbatch ``mb`` (``inputs`` / ``outputs``: its value names;
         ``stream``: its stream; ``experts``: its grouped GEMMs take the SM carveout), all fixed
         when the node was bound. The common launch (no hook, no CUDA graphs, no carveout, no
-        layout check) calls the stage's code directly: an eager stage's ``forward``, without
-        ``nn.Module.__call__`` (a stage module has no hooks), an Inductor stage's callable."""
+        layout check) calls the stage itself (:meth:`Stage.__call__`), with no wrapper around it."""
         state = self._state
         store = state.stores[mb]
         graphed = False
@@ -530,8 +529,7 @@ class ProgramRunner:
                 if self.layouts is not None:
                     self.layouts.check(stage, args, mb)
                 if carve is None and self.hook is None and self.cuda_graphs is None:
-                    compiled = stage.compiled  # read at each launch: a test may swap it
-                    outs = compiled(*args) if compiled is not None else stage.graph_module.forward(*args)
+                    outs = stage(*args)
                 else:
                     outs, graphed = self._launch(node, stage, args, carve)
             except Exception as e:

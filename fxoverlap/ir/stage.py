@@ -189,7 +189,10 @@ class Stage:
         return "graphed" if self.graphed else "inductor" if self.compiled is not None else "eager"
 
     def __call__(self, *args):
-        return (self.compiled or self.graph_module)(*args)
+        """Run the stage: its compiled callable, else its graph's ``forward`` (directly: a
+        stage module is ours and has no hooks, so ``nn.Module.__call__`` is host work only)."""
+        compiled = self.compiled  # read at each call: a test may swap it
+        return compiled(*args) if compiled is not None else self.graph_module.forward(*args)
 
     @property
     def draws(self) -> tuple[int, ...]:
