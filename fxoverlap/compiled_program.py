@@ -64,16 +64,18 @@ class CompiledProgram:
 def compile_program(capture: Capture, stages: list[Stage], config: OverlapConfig, spec: ProgramSpec,
                     device: torch.device, *, graphs: GraphCache | None = None,
                     reducer: Callable[[torch.fx.GraphModule], object] | None = None,
-                    hook: StageHook | None = None) -> CompiledProgram:
+                    hook: StageHook | None = None, sharding=None) -> CompiledProgram:
     """The one compile entry: the program for ``spec`` over ``stages`` (phase "program" of the
     pass list), and its runner. ``reducer(program)`` makes the runtime of the gradient reductions
     the program places (``spec.reduce_grads``); ``hook`` wraps every stage call (the benchmark's
-    timing)."""
+    timing); ``sharding`` (a :class:`fxoverlap.param_shard.ParamSharding` that adopted its units):
+    the program gathers its parameter units (ZeRO-3)."""
     program = build_program(stages, capture, spec.microbatches, config, forward_only=spec.forward_only,
-                            reduce_grads=spec.reduce_grads, weight_last=spec.weight_last)
+                            reduce_grads=spec.reduce_grads, weight_last=spec.weight_last,
+                            units=() if sharding is None else sharding.units)
     runner = make_runner(program, stages, capture, device, config,
                          cuda_graphs=None if graphs is None else graphs.get(program, stages, capture, device),
-                         reducer=None if reducer is None else reducer(program), hook=hook)
+                         reducer=None if reducer is None else reducer(program), hook=hook, sharding=sharding)
     return CompiledProgram(spec, capture, stages, program, runner)
 
 

@@ -178,6 +178,15 @@ class OverlapConfig:
             ``"all_reduce"``: every rank's ``p.grad`` is the averaged gradient;
             ``"reduce_scatter"``: each rank keeps only its shard of it (ZeRO-2),
             handed to the optimizer by ``engine.shard_parameters()``.
+        shard_params: with ``optimize(..., dp_group=...)``, fully shard the parameters
+            (ZeRO-3, ``docs/data_parallel.md``): at the first ``plan`` / step each parameter
+            becomes a ``Shard(0)`` DTensor over its group (dense: ``dp_group``; expert:
+            ``expert_dp_group``), the program gathers each layer's units just ahead of their
+            first reader on a stream and communicator of their own and drops them after the
+            last, and the gradients are reduce-scattered into the DTensors' ``.grad`` (whatever
+            ``grad_reduce`` says). Build the optimizer on ``model.parameters()`` after the first
+            ``plan`` / step (one built before it, and not stepped yet, is updated in place).
+            No CUDA graphs (a gathered parameter's memory changes every step).
         reduce_bucket_mb: gradients are reduced in flat buckets of at least this
             many MiB (25, as DDP's ``bucket_cap_mb``), each issued as soon as its
             gradients are final; ``0``: one bucket per backward stage and group.
@@ -252,6 +261,10 @@ class OverlapConfig:
         BACKEND: "the backend reduces no gradients over data parallelism (optimize(..., dp_group=...) does)",
         PIPELINE: "without dp_group there are no gradients to reduce (pipeline_schedule(..., dp_group=...) "
                   "reduces them)"})
+    shard_params: bool = _field(False, "capture", refused_by={
+        BACKEND: "the backend reduces no gradients over data parallelism (optimize(..., dp_group=..., "
+                 "config=OverlapConfig(shard_params=True)) shards the parameters)",
+        PIPELINE: "pipeline_schedule does not shard parameters yet; use grad_reduce='reduce_scatter' (ZeRO-2) there"})
     chunks: int | None = _field(None, "stages")
     chunks_in_merged_steps: bool = _field(False, "program", refused_by=dict.fromkeys(
         (BACKEND, PIPELINE), "its programs run one microbatch at a time, so they have no merged steps (their "
@@ -299,6 +312,10 @@ class OverlapConfig:
             object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if isinstance(self.max_programs, bool) or not isinstance(self.max_programs, int) or self.max_programs < 1:
             raise ConfigError(f"OverlapConfig.max_programs must be an int >= 1, got {self.max_programs!r}")
+        if self.shard_params and self.cuda_graphs:
+            raise ConfigError("OverlapConfig(shard_params=True, cuda_graphs=True): a gathered parameter lives in "
+                              "new memory at every step, which a CUDA graph cannot follow; leave cuda_graphs unset "
+                              "(off with shard_params)")
         if not self.reduce_bucket_mb >= 0:
             raise ConfigError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
 

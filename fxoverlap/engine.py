@@ -21,7 +21,9 @@ from fxoverlap.ir.stage import Stage, format_stage_table, render_rows as _render
 from fxoverlap.compiled_program import CompiledModel, CompiledProgram, ProgramSpec, compile_program
 from fxoverlap.inputs import (  # noqa: F401  (the errors and check_group: re-exported, public here before)
     InputChecks, InputError, Microbatch, MicrobatchError, MicrobatchMismatch, check_group)
+from fxoverlap.param_shard import ParamSharding, check_shardable
 from fxoverlap.passes.capture import Capture, capture, input_signature
+from fxoverlap.passes.shard import param_units
 from fxoverlap.pipeline import check_disable_passes
 from fxoverlap.program_key import (ModelState, ProgramCache, ProgramKey, model_state, program_key, refuse_unsupported,
                                    wrapped_by_ddp)
@@ -58,8 +60,10 @@ class Engine:
         if groups is None and config.grad_reduce != "all_reduce":
             raise GradReduceConfigError(f"fxoverlap.optimize: OverlapConfig(grad_reduce={config.grad_reduce!r}) needs "
                              f"dp_group (the ranks the gradients are reduced over)")
+        # ZeRO-3: the parameters become DTensor shards at the first capture (fxoverlap/param_shard.py)
+        self.sharding = None if not config.shard_params else ParamSharding(check_shardable(model, groups))
         # data parallelism: the gradient reductions inside the program (None: p.grad stays local)
-        self.grad_reduction = None if groups is None else GradReduction(groups, config.grad_reduce)
+        self.grad_reduction = None if groups is None else GradReduction(groups, config.grad_reduce, self.sharding)
         self._cudagraphs = GraphCache(config.cuda_graphs)  # captured CUDA graphs; see close()
         # the compiled programs, by everything that changes their answer (fxoverlap/program_key.py)
         self.cache: ProgramCache[CompiledModel] = ProgramCache(
@@ -98,11 +102,17 @@ class Engine:
             if (ddp := wrapped_by_ddp(self.model)) is not None:
                 raise ddp
             cap = capture(self.model, inputs, fn, self.config.layer_container, train=train,
-                          explain=explain_capture_error)
+                          explain=explain_capture_error, plain_params=() if self.sharding is None else self.sharding.fqns)
             # ep_group=None: the group the comm ops use (the key keeps the group the user passed)
             self.ep_group = self._inputs.adopt_group(cap)
             entry = CompiledModel.build(cap, self.config, self._device(), train)
             self.cache.put(key, entry)
+            if self.sharding is not None and self.sharding.units is None:
+                # the first capture fixes the units and shards the model: its parameters are DTensors
+                # from now on, which is what the next call's key sees
+                self.sharding.adopt(param_units(cap, self.sharding.ranks), self.model)
+                self.cache.put(program_key(self.model, inputs, getattr(inputs, "keywords", ()), fn,
+                                           key.role, self.config, self._groups), entry)
         return entry
 
     def _entry(self, inputs: Sequence[torch.Tensor], fn: Callable | None,
@@ -130,7 +140,8 @@ class Engine:
             return compile_program(
                 entry.capture, entry.stages, self.config, spec, self._device(), graphs=self._cudagraphs, hook=hook,
                 reducer=None if reduction is None else (
-                    lambda program: reduction.bind(program_of(program).buckets, entry.capture, self.model)))
+                    lambda program: reduction.bind(program_of(program).buckets, entry.capture, self.model)),
+                sharding=self.sharding)
 
         return make(spec) if hook is not None else entry.program(spec, make)
 
@@ -179,8 +190,11 @@ class Engine:
         cap = entry.capture
         reduced = prog.spec.reduce_grads
         with overflow_guard(cap, self.model):
-            state = prog.run(static_values(cap, tensors), mbs, on_error=self._abort_group,
-                             grads=accumulate_into(tensors, cap, post_hooks=not reduced), params=tensors.params)
+            sharding = self.sharding
+            grads = accumulate_into(tensors, cap, post_hooks=not reduced, held=None if sharding is None else sharding.held,
+                                    sharded=frozenset() if sharding is None else sharding.fqns)
+            state = prog.run(static_values(cap, tensors), mbs, on_error=self._abort_group, grads=grads,
+                             params=tensors.params)
         if reduced:  # with data parallelism the hooks see the reduced gradient, once, when it is final
             run_post_accumulate_hooks(tensors, cap)
         if self.config.record_memory:
@@ -273,14 +287,23 @@ class Engine:
         return format_grad_table(buckets, self.grad_reduction)
 
     def shard_parameters(self) -> list[torch.Tensor]:
-        """``grad_reduce="reduce_scatter"``: this rank's shard of the gradient buckets, as leaf
-        views of the parameters whose ``.grad`` is the averaged gradient (give them to an
-        optimizer; then :meth:`gather_parameters`). Known after the first step."""
+        """What the optimizer steps. ``grad_reduce="reduce_scatter"`` (ZeRO-2): this rank's shard of
+        the gradient buckets, as leaf views of the parameters whose ``.grad`` is the averaged
+        gradient (then :meth:`gather_parameters`). ``shard_params=True`` (ZeRO-3): the model's
+        parameters, DTensor shards where sharded. Known after the first :meth:`plan` or step."""
+        if self.sharding is not None:
+            if self.sharding.units is None:
+                raise GradReduceError("fxoverlap: the parameters are sharded at the first capture: call "
+                                      "engine.plan(...) or engine.forward_backward(...) first")
+            return list(self.model.parameters())
         return self._reduction().shard_parameters()
 
     def gather_parameters(self) -> None:
         """``grad_reduce="reduce_scatter"``: all-gather the shards the optimizer stepped, so
-        every rank holds the updated parameters."""
+        every rank holds the updated parameters. ``shard_params=True``: nothing to do (the
+        program gathers each unit when it needs it)."""
+        if self.sharding is not None:
+            return
         self._reduction().gather_parameters()
 
     def _reduction(self) -> GradReduction:

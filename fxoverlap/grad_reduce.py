@@ -182,8 +182,10 @@ def _layout(buckets: Sequence[Bucket]) -> tuple:
 class GradReduction:
     """The engine's data parallelism: groups, mode, and (``reduce_scatter``) the rank's shard views."""
 
-    def __init__(self, groups: ReduceGroups, mode: str):
-        self.groups, self.mode = groups, mode
+    def __init__(self, groups: ReduceGroups, mode: str, sharding=None):
+        # ``sharding`` (fxoverlap.param_shard.ParamSharding): ZeRO-3, the gradients of its sharded
+        # parameters are reduce-scattered into their DTensors' .grad (``mode`` is then "shard_params")
+        self.groups, self.mode, self.sharding = groups, ("shard_params" if sharding is not None else mode), sharding
         self.layout: tuple | None = None  # reduce_scatter: the bucket layout the shards follow
         self.buckets: tuple[Bucket, ...] = ()
         self._params: dict[str, nn.Parameter] = {}
@@ -324,14 +326,23 @@ class BucketReducer:
         if params is None:
             params = dict(self.model.named_parameters(remove_duplicate=False))
         self.params = {v: params[fqn] for v, fqn in self.fqns.items()}
-        if self.owner.mode == "all_reduce":
-            for b in self.buckets:
+        for b in self.buckets:
+            if self._whole(b):
                 for s in b.slots:
                     p = self.params[s.value]
                     if p.grad is not None:
                         self._before[s.value] = p.grad
                         p.grad = None
         self._running = set(range(len(self.buckets)))
+
+    def _whole(self, b: Bucket) -> bool:
+        """Whether bucket ``b``'s result is the whole averaged gradient in ``p.grad`` (all-reduce;
+        with sharded parameters, a role whose group is this rank alone), not a rank's shard."""
+        return self.owner.mode == "all_reduce" or (
+            self.owner.mode == "shard_params" and not self.owner.sharding.sharded(b.role))
+
+    def _sharded(self, b: Bucket) -> bool:
+        return self.owner.mode == "shard_params" and self.owner.sharding.sharded(b.role)
 
     def abandon(self) -> None:
         """The run failed: drop its partial local gradients and put back what :meth:`begin`
@@ -348,6 +359,8 @@ class BucketReducer:
         its buffers belong to it. ``p.grad`` is dropped once copied: the buffer holds it now."""
         b = self.buckets[index]
         group, ranks = self.owner.groups.of(b.role)
+        if self._sharded(b):
+            return self._start_sharded(index, b, group, len(ranks), grads)
         flat = torch.zeros(b.padded_numel(len(ranks)), dtype=b.dtype, device=grads[0].device)
         for s, g in zip(b.slots, grads):
             view = flat[s.offset:s.offset + s.numel].view(s.shape)
@@ -362,7 +375,7 @@ class BucketReducer:
                 p.grad = None  # not kept to the finish: one full local copy less at the end of the backward
         work, out = None, flat
         if group is not None and len(ranks) > 1:
-            if self.owner.mode == "all_reduce":
+            if self._whole(b):
                 work = dist.all_reduce(flat, group=group, async_op=True)
             else:
                 start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
@@ -370,11 +383,33 @@ class BucketReducer:
                 work = reduce_scatter_single(out, flat, group=group, async_op=True)
         elif self.owner.mode == "reduce_scatter":
             out = flat  # a one-rank group owns the whole bucket
+        return self._issued(index, Pending(b, work, flat, out))
+
+    def _issued(self, index: int, pending: Pending) -> Pending:
         if self.trace is not None:
             self.trace.append(("issue", index, time.perf_counter(), None))
-            if work is not None:
-                work.get_future().then(lambda _, i=index: self.trace.append(("done", i, time.perf_counter(), None)))
-        return Pending(b, work, flat, out)
+            if pending.work is not None:
+                pending.work.get_future().then(
+                    lambda _, i=index: self.trace.append(("done", i, time.perf_counter(), None)))
+        return pending
+
+    def _start_sharded(self, index: int, b: Bucket, group, n: int, grads: Sequence[torch.Tensor]) -> Pending:
+        """ZeRO-3: the local gradients (held for microbatches 0..N-2, plus the last one's), laid
+        out rank-major (rank r's rows of every parameter together, in slot order), reduce-scattered:
+        this rank gets its rows of each, the rows its DTensor shard holds."""
+        held = self.owner.sharding.held
+        width = sum(s.numel // n for s in b.slots)
+        flat = torch.empty(n, width, dtype=b.dtype, device=grads[0].device)
+        at = 0
+        for s, g in zip(b.slots, grads):
+            k = s.numel // n
+            h = held.pop(s.param, None)
+            total = g if h is None else torch.add(h, g)
+            flat[:, at:at + k].copy_(total.reshape(n, k))
+            at += k
+        out = flat.new_empty(width)
+        work = reduce_scatter_single(out, flat.view(-1), group=group, async_op=True)
+        return self._issued(index, Pending(b, work, flat, out))
 
     def finish(self, pending: Pending, compute_stream=None) -> None:
         """Wait (the current stream waits, on CUDA), divide by ``|dp_group|``, hand out."""
@@ -389,7 +424,10 @@ class BucketReducer:
         out.div_(self.owner.groups.dp_size)
         if compute_stream is not None:
             out.record_stream(compute_stream)  # allocated on the comm stream, used on this one from now on
-        if self.owner.mode == "all_reduce":
+        if self._sharded(b):
+            self._finish_sharded(b, out)
+            return
+        if self._whole(b):
             for s in b.slots:
                 avg = out[s.offset:s.offset + s.numel].view(s.shape)
                 before = self._before.pop(s.value, None)
@@ -407,6 +445,25 @@ class BucketReducer:
                     piece.view.grad = g
                 else:
                     piece.view.grad.add_(g)
+
+
+    def _finish_sharded(self, b: Bucket, out: torch.Tensor) -> None:
+        """Add this rank's rows into each DTensor parameter's ``.grad`` (a ``Shard(0)`` DTensor)."""
+        from torch.distributed.tensor import DTensor
+
+        n = len(self.owner.groups.of(b.role)[1])
+        at = 0
+        for s in b.slots:
+            k = s.numel // n
+            p = self.params[s.value]
+            local = out[at:at + k].view(s.shape[0] // n, *s.shape[1:])
+            at += k
+            grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
 
 
 # ---------------------------------------------------------------- gradients final before the reduction (pipeline stages)

@@ -31,7 +31,7 @@ __all__ = ["PASSES", "SWITCHABLE", "Pass", "PassState", "build_program", "build_
 
 def make_runner(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Capture, device: torch.device,
                 config: OverlapConfig, *, grads: GradSink | None = None, cuda_graphs=None, reducer=None,
-                hook: StageHook | None = None) -> ProgramRunner:
+                hook: StageHook | None = None, sharding=None) -> ProgramRunner:
     """The one place a :class:`ProgramRunner` is made (the engine, the backend and the benchmark):
     the config's runtime options (comm stream priority, SM carveout, memory recording) applied alike."""
     return ProgramRunner(program, stages, capture, device, grads=grads,
@@ -39,7 +39,7 @@ def make_runner(program: torch.fx.GraphModule, stages: Sequence[Stage], capture:
                          sm_carveout=config.resolved_sm_carveout(device.type),
                          comm_kernels_run=comm_kernels_run(capture),
                          cuda_graphs=cuda_graphs,
-                         record_memory=config.record_memory, reducer=reducer, hook=hook)
+                         record_memory=config.record_memory, reducer=reducer, hook=hook, sharding=sharding)
 
 
 def comm_kernels_run(capture: Capture) -> Callable[[], bool]:

@@ -5,7 +5,8 @@ program node kind (:meth:`~ProgramRunner.call_stage`, :meth:`~ProgramRunner.reco
 :meth:`~ProgramRunner.wait_event`, :meth:`~ProgramRunner.free`,
 :meth:`~ProgramRunner.output`, :meth:`~ProgramRunner.accumulate`,
 :meth:`~ProgramRunner.mutate`, :meth:`~ProgramRunner.reduce_grads`,
-:meth:`~ProgramRunner.finish_reduce`). The node list is bound to those methods once, when
+:meth:`~ProgramRunner.finish_reduce`, :meth:`~ProgramRunner.unshard`,
+:meth:`~ProgramRunner.wait_unshard`, :meth:`~ProgramRunner.reshard`). The node list is bound to those methods once, when
 the runner is built, so a step costs one Python call per node. It owns the
 streams (compute: the current stream; comm: its own), the events and the value
 stores; everything else (which stream, what a node reads) comes from the
@@ -157,7 +158,8 @@ def static_values(capture: Capture, model: nn.Module | NamedTensors) -> dict[str
     return out
 
 
-def accumulate_into(model: nn.Module | NamedTensors, capture: Capture, post_hooks: bool = True) -> GradSink:
+def accumulate_into(model: nn.Module | NamedTensors, capture: Capture, post_hooks: bool = True,
+                    held: dict[str, torch.Tensor] | None = None, sharded: frozenset[str] = frozenset()) -> GradSink:
     """A :data:`GradSink` that adds into ``p.grad`` as eager's AccumulateGrad does, with the
     parameters ``model`` has now (looked up by name: make one per run; or the call's
     :class:`NamedTensors`).
@@ -166,6 +168,10 @@ def accumulate_into(model: nn.Module | NamedTensors, capture: Capture, post_hook
     (``p.register_hook``; a hook's return value replaces it), and after it is added the
     post-accumulate-grad hooks run (``p.register_post_accumulate_grad_hook``; ``post_hooks=False``
     leaves them to the caller: with data parallelism they run once the reduced gradient is final).
+
+    ``held`` (ZeRO-3's :attr:`~fxoverlap.param_shard.ParamSharding.held`): the local gradients of
+    the ``sharded`` parameters (their ``p.grad`` is a DTensor shard the reduction fills) are
+    summed there instead, by parameter name, with no hooks.
 
     A tensor-subclass parameter's gradient arrives as parts; once a microbatch's
     parts are all in, they are wrapped into the subclass the traced backward
@@ -192,6 +198,9 @@ def accumulate_into(model: nn.Module | NamedTensors, capture: Capture, post_hook
                 hook(p)
 
     def sink(name: str, g: torch.Tensor, graph_memory: bool) -> None:
+        if sharded and (fqn := capture.grads[name]) in sharded:
+            held[fqn] = g.detach() if fqn not in held else held[fqn].add_(g)
+            return
         p, path = by_value[name]
         # graph memory is overwritten at the next replay: p.grad must not alias it (nor p)
         if graph_memory or g.data_ptr() == (p if path is None else inner_value(p, path)).data_ptr():
@@ -249,7 +258,9 @@ class ProgramRunner:
     ``FXOVERLAP_CHECK_LAYOUTS`` environment variable) checks each input of an Inductor stage
     against the layout it was compiled for (:class:`LayoutCheck`); ``sm_carveout`` SMs are left free by the
     experts stages' grouped GEMMs (``OverlapConfig.sm_carveout``) in a run whose exchanges run
-    comm kernels (``comm_kernels_run()``, asked at each run).
+    comm kernels (``comm_kernels_run()``, asked at each run); ``sharding`` (a
+    :class:`fxoverlap.param_shard.ParamSharding`) gathers and drops the parameter units that
+    ``passes/shard.py`` placed (their placeholders are then never in the stores outside a use).
     """
 
     def __init__(
@@ -267,6 +278,7 @@ class ProgramRunner:
         record_memory: bool = False,
         hook: StageHook | None = None,
         reducer=None,
+        sharding=None,
         check_layouts: bool | None = None,  # None: FXOVERLAP_CHECK_LAYOUTS decides
     ):
         self.program, self.capture, self.device = program, capture, device
@@ -276,6 +288,7 @@ class ProgramRunner:
         self.record_memory = record_memory
         self.hook = hook
         self.reducer = reducer
+        self.sharding = sharding
         if check_layouts is None:
             check_layouts = check_layouts_requested()
         self.layouts = LayoutCheck(stages, capture) if check_layouts else None
@@ -301,6 +314,8 @@ class ProgramRunner:
             program_ops.free: self.free, program_ops.output: self.output,
             program_ops.accumulate: self.accumulate, program_ops.mutate: self.mutate,
             program_ops.reduce_grads: self.reduce_grads, program_ops.finish_reduce: self.finish_reduce,
+            program_ops.unshard: self.unshard, program_ops.wait_unshard: self.wait_unshard,
+            program_ops.reshard: self.reshard,
         }
         self._bound: list[tuple[Callable, tuple]] = []
         self._traced: list[tuple[str, int] | None] = []  # (node, microbatch) whose live bytes record_memory traces
@@ -327,10 +342,18 @@ class ProgramRunner:
                 if node.target is program_ops.reduce_grads and self.reducer is None:
                     raise InternalError(f"runtime: program node {node.name} reduces gradients, but the "
                                          f"runner has no reducer (ProgramRunner(reducer=...))")
+                if node.target is program_ops.unshard and self.sharding is None:
+                    raise InternalError(f"runtime: program node {node.name} gathers parameters, but the "
+                                         f"runner has no sharding (ProgramRunner(sharding=...))")
                 # a marker with a Step runs what its Step says (its args are derived from it)
                 step_args = program_ops.marker_args(node.target, step) if step is not None else node.args
                 self._bound.append((methods[node.target], step_args))
                 self._traced.append((node.name, node.args[0]) if node.target is program_ops.free else None)
+        # ZeRO-3: each unit's parameters by placeholder name (the stores hold them during its uses only)
+        placeholder = {fqn: ph for ph, fqn in self.capture.param_placeholders.items()}
+        units = program_ops.program_of(self.program).units
+        self._unit_names = [[(p.fqn, placeholder[p.fqn]) for p in u.params] for u in units]
+        self._sharded = frozenset(ph for names in self._unit_names for _, ph in names)
         self.weight_start = self._weight_start()
         # the named parts of the program, for execute and turns (fixed once the nodes are bound)
         end = len(self._bound)
@@ -387,6 +410,8 @@ class ProgramRunner:
         parameters by name (:class:`NamedTensors`), for the reduction's ``begin`` (None: it
         looks them up itself)."""
         cap = self.capture
+        if self._sharded:  # the gathers put them in (DTensor shards are no stage's input)
+            static = {k: v for k, v in static.items() if k not in self._sharded}
         stores = []
         for i, mb in enumerate(microbatches):
             store = dict(static)
@@ -398,6 +423,8 @@ class ProgramRunner:
                     store[ph] = torch.ones(val.shape, dtype=val.dtype, device=self.device)
             stores.append(store)
         state = RunState(stores, [{} for _ in microbatches], grads=grads if grads is not None else self.grads)
+        if self.sharding is not None:
+            self.sharding.begin(params)
         if self.reducer is not None:
             # what p.grad holds now is already reduced: set it aside, so only this run's gradients
             # are reduced (the averages are added into it at the finish nodes)
@@ -607,6 +634,23 @@ class ProgramRunner:
     def finish_reduce(self, mb: int, bucket: int) -> None:
         with self._ctx(StreamKind.COMP):
             self.reducer.finish(self._state.stores[mb][bucket_value(bucket)], self.streams.get(StreamKind.COMP))
+
+    def unshard(self, unit: int) -> None:
+        with self._ctx(StreamKind.COMP):  # packs the shards where the stages wrote them
+            self.sharding.start_gather(unit)
+
+    def wait_unshard(self, unit: int) -> None:
+        with self._ctx(StreamKind.COMP):
+            full = self.sharding.finish_gather(unit)
+        values = [(ph, full[fqn]) for fqn, ph in self._unit_names[unit]]
+        for store in self._state.stores:
+            store.update(values)
+
+    def reshard(self, unit: int) -> None:
+        for store in self._state.stores:
+            for _, ph in self._unit_names[unit]:
+                store.pop(ph, None)
+        self.sharding.dropped(unit)
 
 
 @contextlib.contextmanager

@@ -66,7 +66,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -175,6 +175,25 @@ def _restore_state(model: nn.Module):
 
 
 _ABSENT = object()
+
+
+@contextlib.contextmanager
+def _plain_stand_ins(model: nn.Module, names: Collection[str], fake_mode):
+    """Put a plain fake tensor of each named parameter's full shape (in ``fake_mode``: no memory)
+    in its place, under every name it is held by; ``_restore_state`` puts the parameters back."""
+    if names:
+        named = dict(model.named_parameters())
+        stand_in = {}
+        for name in names:
+            p = named[name]
+            with fake_mode:
+                fake = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+            stand_in[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+        for mod in model.modules():
+            for k, p in list(mod._parameters.items()):
+                if p is not None and id(p) in stand_in:
+                    mod._parameters[k] = stand_in[id(p)]
+    yield
 
 
 class _TrainStep(_Step):
@@ -428,6 +447,7 @@ def capture(
     scalar_loss: bool = True,
     lists: Mapping[str, LayerCandidate] | None = None,
     explain: Callable[[nn.Module, BaseException], str | None] | None = None,
+    plain_params: Collection[str] = (),
 ) -> Capture:
     """Trace one train step of ``model`` on inputs shaped like ``inputs``; no data is used.
 
@@ -440,6 +460,8 @@ def capture(
     pass's hooks on the model's lists; the chosen one's entries and children come from it.
     ``explain(model, exc)``: a message for a tracing failure the caller knows how to explain
     (``optimize`` passes ``expert_parallel.explain_capture_error``), raised as ``CaptureError``.
+    ``plain_params``: parameters (by name) traced as plain tensors of their full shape,
+    whatever they are now (ZeRO-3's DTensor shards: the program reads gathered full ones).
     """
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -468,7 +490,7 @@ def capture(
     fake_inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in inputs)
     grad_mode = contextlib.nullcontext() if train else torch.no_grad()
     try:
-        with (_restore_state(model), fx_traceback.preserve_node_meta(),
+        with (_restore_state(model), _plain_stand_ins(model, plain_params, fake_mode), fx_traceback.preserve_node_meta(),
               _annotate_layers(candidates, param_children, runs, _shared_modules(model)), _mark_checkpoints(),
               contextlib.ExitStack() as stack, grad_mode):
             joint = aot_export_joint_with_descriptors(stack, step, fake_inputs)

@@ -1,7 +1,7 @@
 """The pass manager: the list of passes, in one place for both entry points (not a pass itself).
 
     dispatcher ─ tag ─ side ─ rng ─ chunk ─ recompute ─ split ─ cudagraph ─ inductor   (phase "stages": once per plan)
-    schedule ─ reduce ─ streams ─ free                                      (phase "program": once per microbatch count)
+    schedule ─ reduce ─ shard ─ streams ─ free                              (phase "program": once per microbatch count)
 
 :data:`PASSES` is that list: named passes of one signature, ``Pass.run(state: PassState) -> None``,
 each a thin adapter around its module's public entry point (``fxoverlap.passes.<name>``).
@@ -11,7 +11,8 @@ each a thin adapter around its module's public entry point (``fxoverlap.passes.<
 ``cudagraph`` only chooses stages (``stage.graphed``), so it runs before
 ``inductor``, which compiles each compute stage whether it is graphed or not,
 and before ``free``, which reads the choice. ``reduce`` (data parallelism) places
-the gradient reductions before ``streams`` and ``free`` add their events and frees.
+the gradient reductions and ``shard`` (ZeRO-3) the parameter gathers before ``streams`` and
+``free`` add their events and frees.
 
 Switching off (``OverlapConfig(disable_passes=("side", ...))``), for debugging: only passes
 whose absence leaves a correct program are switchable (``Pass.can_disable``; ``Pass.why``
@@ -52,6 +53,7 @@ from fxoverlap.passes.recompute import recompute
 from fxoverlap.passes.reduce import reduce
 from fxoverlap.passes.rng import rng
 from fxoverlap.passes.schedule import schedule
+from fxoverlap.passes.shard import shard
 from fxoverlap.passes.side import side
 from fxoverlap.passes.split import split
 from fxoverlap.passes.streams import streams
@@ -94,6 +96,7 @@ class PassState:
     forward_only: bool = False
     reduce_grads: bool = False
     weight_last: bool = False  # schedule: the backward's weight-gradient parts after all else
+    units: tuple = ()  # shard: the parameter units of ZeRO-3 (fxoverlap.ir.unit.ParamUnit), () without it
     program: torch.fx.GraphModule | None = None
 
 
@@ -187,6 +190,10 @@ def _reduce(st: PassState) -> None:
     st.program = reduce(st.program, st.capture, bucket_bytes=int(st.config.reduce_bucket_mb * 2**20))
 
 
+def _shard(st: PassState) -> None:
+    st.program = shard(st.program, st.stages, st.capture, st.units)
+
+
 def _streams(st: PassState) -> None:
     st.program = streams(st.program)
 
@@ -196,6 +203,8 @@ def _free(st: PassState) -> None:
 
 
 def _no_graphs(st: PassState) -> str | None:
+    if st.config.shard_params:
+        return "OverlapConfig.shard_params (gathered parameters live in new memory every step)"
     on = st.config.cuda_graphs or (st.config.cuda_graphs is None and st.device_type == "cuda")
     return None if on else f"OverlapConfig.cuda_graphs={st.config.cuda_graphs} on {st.device_type}"
 
@@ -228,6 +237,9 @@ PASSES: tuple[Pass, ...] = (
     Pass("reduce", "program", _reduce, False,
          "reduces the gradients over the data-parallel groups; without it they would not be reduced",
          skip=lambda st: None if st.reduce_grads and not st.forward_only else "no data-parallel group"),
+    Pass("shard", "program", _shard, False,
+         "gathers the sharded parameters before their readers; without it they would read no parameters",
+         skip=lambda st: None if st.units else "no sharded parameters (OverlapConfig.shard_params)"),
     Pass("streams", "program", _streams, False,
          "adds the events that order the comm and compute streams; without them stages race"),
     Pass("free", "program", _free, True,
@@ -293,13 +305,15 @@ def build_stages(capture: Capture, config: OverlapConfig, device_type: str, trai
 
 def build_program(stages: list[Stage], capture: Capture, num_microbatches: int, config: OverlapConfig,
                   forward_only: bool = False, reduce_grads: bool = False,
-                  weight_last: bool = False) -> torch.fx.GraphModule:
+                  weight_last: bool = False, units: tuple = ()) -> torch.fx.GraphModule:
     """The program that runs ``stages`` over ``num_microbatches`` microbatches; with
     ``reduce_grads``, it also reduces the gradients over the data-parallel groups; with
+    ``units`` (ZeRO-3), it gathers and drops those parameter units around their readers; with
     ``weight_last`` (one microbatch), its backward computes the weight gradients of the
     ``delay_wgrad`` parts after everything else (a ZeroBubble schedule's B then W)."""
     state = PassState(capture, config, stages=stages, num_microbatches=num_microbatches,
-                      forward_only=forward_only, reduce_grads=reduce_grads, weight_last=weight_last)
+                      forward_only=forward_only, reduce_grads=reduce_grads, weight_last=weight_last,
+                      units=tuple(units))
     return run_passes("program", state).program
 
 

@@ -66,7 +66,7 @@ from fxoverlap.ir.meta import STEP_KEY, TAG_KEY
 from fxoverlap.ir.bucket import Bucket, GradSlot, slots_end
 from fxoverlap.ir.capture import Capture
 from fxoverlap.ir.program import Step, add_marker, bucket_value, marker_args, program_of, steps
-from fxoverlap.ir.stage import StageKind, StreamKind
+from fxoverlap.ir.stage import StageKind, StreamKind, Tag
 from fxoverlap.ir.errors import FxOverlapError
 
 
@@ -76,8 +76,8 @@ class ReduceError(FxOverlapError, NotImplementedError):
 ALIGN = 64  # elements: each gradient's offset in a flat buffer is a multiple of this
 
 
-def parameter_roles(capture: Capture) -> dict[str, str]:
-    """``"expert"`` for each parameter (FQN) that only experts stages read, else ``"dense"``.
+def parameter_readers(capture: Capture) -> dict[str, set[Tag | None]]:
+    """The tags of the nodes that read each parameter (FQN); None for an untagged reader.
 
     Read on the tagged joint graph (``tag`` ran). The readers of a parameter are the
     first nodes that combine it with per-microbatch data, following the ops that compute
@@ -91,12 +91,12 @@ def parameter_roles(capture: Capture) -> dict[str, str]:
         if (n.op == "placeholder" and n.name in static) or n.op == "get_attr" or (
                 n.op == "call_function" and all(i in weights_only for i in n.all_input_nodes)):
             weights_only.add(n)
-    roles = {}
+    readers = {}
     for ph in graph.find_nodes(op="placeholder"):
         fqn = capture.param_placeholders.get(ph.name)
         if fqn is None:
             continue
-        seen, kinds, todo = {ph}, set(), [ph]
+        seen, tags, todo = {ph}, set(), [ph]
         while todo:
             for user in todo.pop().users:
                 if user in seen or user.op == "output":
@@ -105,10 +105,16 @@ def parameter_roles(capture: Capture) -> dict[str, str]:
                 if user in weights_only:
                     todo.append(user)
                 else:
-                    tag = user.meta.get(TAG_KEY)
-                    kinds.add(None if tag is None else tag.kind)
-        roles[fqn] = "expert" if kinds == {StageKind.EXPERTS} else "dense"
-    return roles
+                    tags.add(user.meta.get(TAG_KEY))
+        readers[fqn] = tags
+    return readers
+
+
+def parameter_roles(capture: Capture) -> dict[str, str]:
+    """``"expert"`` for each parameter (FQN) that only experts stages read
+    (:func:`parameter_readers`), else ``"dense"``."""
+    return {fqn: "expert" if {None if t is None else t.kind for t in tags} == {StageKind.EXPERTS} else "dense"
+            for fqn, tags in parameter_readers(capture).items()}
 
 
 def _param_meta(capture: Capture) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -23,6 +23,7 @@ import torch.fx
 import torch.nn as nn
 
 from fxoverlap.ir.bucket import Bucket
+from fxoverlap.ir.unit import ParamUnit
 from fxoverlap.ir.meta import PROGRAM_KEY, STEP_KEY
 from fxoverlap.ir.stage import StreamKind
 from fxoverlap.ir.errors import FxOverlapError
@@ -43,6 +44,8 @@ class Program:
     num_layers: int
     forward_only: bool = False
     buckets: tuple[Bucket, ...] = ()  # reduce: the gradient buckets, in the order they are issued
+    units: tuple[ParamUnit, ...] = ()  # shard: the parameter units the program gathers and drops
+    gathered_peak: int = 0  # shard: the most units gathered (or being gathered) at any point
 
 
 def program_of(program: torch.fx.GraphModule) -> Program:
@@ -113,12 +116,28 @@ def finish_reduce(microbatch: int, bucket: int) -> None:
     the rank's gradient shard)."""
 
 
+def unshard(unit: int) -> None:
+    """Start gathering parameter unit ``unit`` (an all-gather of every rank's shards on the
+    parameter stream, over the unit's own communicator)."""
+
+
+def wait_unshard(unit: int) -> None:
+    """Wait for unit ``unit``'s gather (the compute stream waits) and put its full parameters
+    into the value stores, under their placeholder names."""
+
+
+def reshard(unit: int) -> None:
+    """Drop unit ``unit``'s full parameters from the value stores (its last reader has run):
+    each rank holds its shards only again."""
+
+
 def bucket_value(bucket: int) -> str:
     """The store name of bucket ``bucket``'s pending reduction (no graph value has a ``#``)."""
     return f"bucket#{bucket}"
 
 
-MARKERS = (record_event, wait_event, free, output, accumulate, mutate, reduce_grads, finish_reduce)
+MARKERS = (record_event, wait_event, free, output, accumulate, mutate, reduce_grads, finish_reduce,
+           unshard, wait_unshard, reshard)
 # markers whose dataflow is a Step (their args are derived from it); the others carry their args only
 STEP_MARKERS = (output, accumulate, mutate, reduce_grads, finish_reduce)
 

@@ -1,0 +1,270 @@
+"""Fully sharded parameters (ZeRO-3, ``OverlapConfig(shard_params=True)``): the model's
+``Shard(0)`` DTensor parameters, and the runtime of the ``unshard`` / ``wait_unshard`` /
+``reshard`` nodes that ``passes/shard.py`` places in the program.
+
+Between uses each rank holds only its shard of every sharded parameter: the model's parameter
+*is* a DTensor over its group (``dp_group`` for dense parameters, ``expert_dp_group`` for
+expert ones), sharded along its first dimension, as FSDP2 lays it out. So an optimizer steps
+``model.parameters()`` directly, ``model.state_dict()`` holds DTensors, and
+``torch.distributed.checkpoint`` saves and loads the sharded layout.
+
+Inside a step the program gathers a unit (``unshard``: this rank's shards packed into one
+buffer and all-gathered, asynchronously, on the parameter stream over a communicator of its
+own, so a gather never queues behind the EP all-to-all or a gradient reduction), waits for it
+right before its first reader (``wait_unshard``: the full parameters are copied out of the
+gathered blocks and put into the value stores under their placeholder names), and drops it
+after its last (``reshard``: the stores let go of them, so their memory is freed).
+
+Gradients: the microbatches' local gradients of a sharded parameter accumulate in
+:attr:`ParamSharding.held` (full size, as ZeRO-2's do in ``p.grad``); the last microbatch's
+reduction (``fxoverlap.grad_reduce.BucketReducer``) adds them up, reduce-scatters them over
+the group in the same row layout and adds this rank's rows, divided by ``|dp_group|``, into
+the DTensor's ``.grad``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxoverlap.grad_reduce import GradReduceConfigError, ReduceGroups, all_gather_single
+from fxoverlap.ir.errors import FxOverlapError
+from fxoverlap.ir.unit import ParamUnit
+
+log = logging.getLogger("fxoverlap")
+
+
+class ShardParamsError(FxOverlapError, RuntimeError):
+    """Sharded parameters cannot go on as asked (an optimizer that already stepped the full
+    parameters, units that differ between programs); the message says why and what to do."""
+
+
+def _dtensor():
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor, Shard
+
+
+class ParamSharding:
+    """The engine's fully sharded parameters: the units, the model's DTensors, the gathers.
+
+    :meth:`adopt` runs once, at the first capture: it fixes the units (``passes/shard.py``'s
+    :func:`~fxoverlap.passes.shard.param_units`), makes each sharded parameter a DTensor (the
+    model keeps no full copy) and creates the gathers' communicators. Each run then calls
+    :meth:`begin`, and the program's nodes :meth:`start_gather`, :meth:`finish_gather`.
+
+    ``trace``: set to a list to record ``(event, unit, time.perf_counter())`` for
+    ``"gather"`` (issued), ``"wait"`` and ``"drop"``.
+    """
+
+    def __init__(self, groups: ReduceGroups):
+        self.groups = groups
+        self.units: tuple[ParamUnit, ...] | None = None
+        self.fqns: frozenset[str] = frozenset()  # the sharded parameters
+        self.held: dict[str, torch.Tensor] = {}  # this run's local gradients of sharded parameters
+        self.trace: list | None = None
+        self._gather_groups: dict[str, dist.ProcessGroup] = {}
+        self._meshes: dict[str, object] = {}
+        self._params: Mapping[str, torch.Tensor] = {}
+        self._pending: dict[int, tuple] = {}
+        self._stream = None
+        self._model: nn.Module | None = None
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        """The group size per role (``"dense"``, ``"expert"``)."""
+        return {"dense": self.groups.dp_size, "expert": len(self.groups.expert_dp_ranks)}
+
+    def sharded(self, role: str) -> bool:
+        return self.ranks[role] > 1
+
+    # ---------------------------------------------------------------- once
+    def adopt(self, units: tuple[ParamUnit, ...], model: nn.Module) -> None:
+        """At the first capture: take the units (``passes/shard.py``'s ``param_units``) and shard
+        the model (every rank of the groups calls it: it creates communicators)."""
+        if self.units is not None:
+            return
+        t0 = time.perf_counter()
+        self._model = model
+        self._make_groups(model)
+        replaced = self._shard_model(model, units)
+        self.units, self.fqns = units, frozenset(p.fqn for u in units for p in u.params)
+        log.info("fxoverlap: sharded %d parameters into %d units in %.2f s (%s)", len(self.fqns), len(units),
+                 time.perf_counter() - t0, ", ".join(u.name for u in units))
+        _retarget_optimizers(replaced)
+
+    def _make_groups(self, model: nn.Module) -> None:
+        """A communicator of its own per group for the gathers (all ranks create every group,
+        in one order: ``dist.new_group`` is collective over the world)."""
+        device = next(model.parameters()).device
+        mine = {"dense": self.groups.dp_ranks, "expert": self.groups.expert_dp_ranks}
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, tuple(r for role, r in mine.items() if self.sharded(role)))
+        for ranks in sorted({r for per_rank in every for r in per_rank}):
+            group = dist.new_group(list(ranks))
+            for role, r in mine.items():
+                if r == ranks and self.sharded(role):
+                    self._gather_groups[role] = group
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for role in mine:
+            if self.sharded(role):
+                group = self.groups.dp_group if role == "dense" else self.groups.expert_dp_group
+                self._meshes[role] = DeviceMesh.from_group(group, device.type)
+
+    def _shard_model(self, model: nn.Module, units: tuple[ParamUnit, ...]) -> dict[int, nn.Parameter]:
+        """Each sharded parameter becomes a ``Shard(0)`` DTensor parameter, under every name the
+        model holds it by (tied weights stay tied); returns old id -> new parameter."""
+        DTensor, Shard = _dtensor()
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for mod in model.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    holders.setdefault(id(p), []).append((mod, name))
+        params = dict(model.named_parameters())
+        replaced = {}
+        for unit in units:
+            rank = self._rank(unit.role)
+            for up in unit.params:
+                old = params[up.fqn]
+                if isinstance(old, DTensor):
+                    raise GradReduceConfigError(
+                        f"fxoverlap: OverlapConfig(shard_params=True) shards plain parameters; {up.fqn} is a "
+                        f"DTensor already (FSDP, tensor parallelism): leave it to one of them")
+                if not old.is_contiguous():
+                    raise GradReduceConfigError(f"fxoverlap: OverlapConfig(shard_params=True) needs contiguous "
+                                                f"parameters; {up.fqn} is not (make it contiguous before optimize)")
+                rows = unit.rows(up)
+                local = old.detach()[rank * rows:(rank + 1) * rows].clone()
+                new = nn.Parameter(DTensor.from_local(local, self._meshes[unit.role], [Shard(0)], run_check=False,
+                                                      shape=old.shape, stride=old.stride()),
+                                   requires_grad=old.requires_grad)
+                for mod, name in holders[id(old)]:
+                    mod._parameters[name] = new
+                replaced[id(old)] = new
+                old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # the full copy is gone
+        return replaced
+
+    def _rank(self, role: str) -> int:
+        ranks = self.groups.dp_ranks if role == "dense" else self.groups.expert_dp_ranks
+        return ranks.index(dist.get_rank())
+
+    # ---------------------------------------------------------------- each run
+    def begin(self, params: Mapping[str, torch.Tensor] | None) -> None:
+        """A run begins: its parameters by name (None: looked up on the model); no local
+        gradient held."""
+        self._params = params if params is not None else dict(self._model.named_parameters())
+        self._pending.clear()
+        self.held.clear()
+
+    def start_gather(self, index: int) -> None:
+        """Pack this rank's shards of unit ``index`` and all-gather them, asynchronously."""
+        unit = self.units[index]
+        DTensor, _ = _dtensor()
+        first = self._params[unit.params[0].fqn]
+        device = first.device
+        send = torch.empty(unit.shard_numel, dtype=unit.dtype, device=device)
+        for up in unit.params:
+            p = self._params[up.fqn]
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            n = unit.shard_elems(up)
+            send[up.offset:up.offset + n].copy_(local.detach().reshape(-1))
+        recv = torch.empty(unit.ranks * unit.shard_numel, dtype=unit.dtype, device=device)
+        group = self._gather_groups[unit.role]
+        if device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))  # send is written, recv allocated
+            with torch.cuda.stream(self._stream):
+                work = all_gather_single(recv, send, group=group, async_op=True)
+        else:
+            work = all_gather_single(recv, send, group=group, async_op=True)
+        self._pending[index] = (work, recv, send)
+        if self.trace is not None:
+            self.trace.append(("gather", index, time.perf_counter()))
+
+    def finish_gather(self, index: int) -> dict[str, torch.Tensor]:
+        """Wait for unit ``index``'s gather (the current stream waits) and return its full
+        parameters by name, each a contiguous tensor of its own."""
+        work, recv, _ = self._pending.pop(index)
+        work.wait()
+        unit = self.units[index]
+        blocks = recv.view(unit.ranks, unit.shard_numel)
+        out = {up.fqn: blocks[:, up.offset:up.offset + unit.shard_elems(up)].reshape(up.shape)
+               for up in unit.params}
+        if self.trace is not None:
+            self.trace.append(("wait", index, time.perf_counter()))
+        return out
+
+    def dropped(self, index: int) -> None:
+        if self.trace is not None:
+            self.trace.append(("drop", index, time.perf_counter()))
+
+    def local_bytes(self, model: nn.Module) -> int:
+        """Bytes of parameter storage this rank holds (shards of the sharded ones, whole others)."""
+        DTensor, _ = _dtensor()
+        total = 0
+        for p in {id(p): p for p in model.parameters()}.values():
+            t = p._local_tensor if isinstance(p, DTensor) else p
+            total += t.numel() * t.element_size()
+        return total
+
+
+def check_shardable(model: nn.Module, groups: ReduceGroups | None) -> ReduceGroups:
+    """``OverlapConfig(shard_params=True)`` needs data parallelism and plain parameters: the
+    groups, or a named error."""
+    if groups is None:
+        raise GradReduceConfigError(
+            "fxoverlap.optimize: OverlapConfig(shard_params=True) needs dp_group (the ranks the dense parameters "
+            "are sharded over; expert_dp_group for the experts), e.g. optimize(model, ep_group, config, "
+            "dp_group=dist.group.WORLD, expert_dp_group=...)")
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = ()
+    for name, mod in model.named_modules():
+        if FSDPModule and isinstance(mod, FSDPModule):
+            raise GradReduceConfigError(
+                f"fxoverlap.optimize: OverlapConfig(shard_params=True) and fully_shard on {name or 'the model'}: "
+                f"both shard the parameters; drop fully_shard (fxoverlap gathers them inside its program)")
+    return groups
+
+
+def _retarget_optimizers(replaced: Mapping[int, nn.Parameter]) -> None:
+    """An optimizer built on the full parameters before they were sharded (not stepped yet)
+    steps the DTensors instead: its parameter groups are updated in place."""
+    if not replaced:
+        return
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.optim.Optimizer):  # (isinstance would touch lazy attributes)
+            continue
+        hit = False
+        for group in obj.param_groups:
+            for i, p in enumerate(group["params"]):
+                if id(p) in replaced:
+                    if p in obj.state and obj.state[p]:
+                        raise ShardParamsError(
+                            f"fxoverlap: an optimizer ({type(obj).__name__}) stepped the full parameters before "
+                            f"OverlapConfig(shard_params=True) sharded them at the first step; build the "
+                            f"optimizer after engine.plan(...) or the first forward_backward")
+                    group["params"][i] = replaced[id(p)]
+                    hit = True
+        if hit:
+            log.info("fxoverlap: %s now steps the sharded parameters", type(obj).__name__)
+
+
+def shard_bytes(unit: ParamUnit) -> int:
+    """Bytes one rank holds of ``unit``."""
+    return unit.shard_numel * torch.empty((), dtype=unit.dtype).element_size()
+
+
+def gathered_bytes(unit: ParamUnit) -> int:
+    """Bytes of ``unit``'s full parameters."""
+    return sum(math.prod(p.shape) for p in unit.params) * torch.empty((), dtype=unit.dtype).element_size()

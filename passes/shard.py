@@ -1,0 +1,210 @@
+"""shard: the parameter units of ZeRO-3 (``OverlapConfig(shard_params=True)``), and their
+gather and drop nodes in the program.
+
+Contract
+--------
+Assumes: ``schedule`` ran (every stage call carries a ``Step``), ``reduce`` too where the
+program reduces gradients; ``streams`` and ``free`` have not run yet (they leave the nodes
+placed here alone: these carry no ``Step`` and no per-microbatch value). The capture's joint
+graph carries the tags ``tag`` gave it.
+
+Guarantees, for every unit ``u`` of ``units`` and every parameter of it (by FQN):
+
+- its *uses* are the spans ``[first, last]`` of the stage calls that read any of ``u``'s
+  parameters, one span per microbatch and direction (a delayed weight-gradient stage and a
+  recompute stage belong to their microbatch's backward), overlapping spans merged, and a
+  span merged into the unit's previous one where its gather would start before that one
+  ends (the unit then stays gathered through the gap instead of being gathered again at once);
+- each use is bracketed by ``wait_unshard(u)`` right before its first reader and
+  ``reshard(u)`` right after its last: no stage reads a parameter of ``u`` outside one;
+- ``unshard(u)`` (the gather's start) comes one use ahead: right before the
+  ``wait_unshard`` of the use that starts before it (any unit's), so one gather is always in
+  flight under the previous unit's compute; never before ``u``'s previous ``reshard``; the
+  first use's at the start of the program;
+- ``program_of(program).units`` is ``units`` and ``.gathered_peak`` the most units gathered or
+  being gathered at any point of the program (``unshard`` .. ``reshard``). Bound: the uses
+  open at one point (1F1B's merged step F(i+1) ⊗ B(i): a forward and a backward layer, each
+  a dense and an expert unit; with ``delay_wgrad`` the expert units whose weight-gradient
+  part waits for its slot) plus the one gather ahead.
+
+Units (:func:`param_units`): one per group of parameters read by the same layers (the tags'
+``layer``: ``-1`` embed, ``num_layers`` head, so tied embed/head weights share one), of one
+role (``"expert"``: read by experts stages only, over ``expert_dp_group``; ``"dense"``, over
+``dp_group``) and dtype, in forward order. A role whose group has one rank is not sharded.
+Every sharded parameter's first dimension must divide by its group's size (:class:`ShardError`).
+
+Steps
+-----
+1. The readers of each unit: the stage calls reading its parameters' placeholders.
+2. Its uses: per (microbatch, direction) the span of its readers; overlapping spans merged, and
+   a use merged into the unit's previous one where its gather (one use ahead) would start
+   before that one ends.
+3. Placement: ``reshard`` after each use's last reader, ``wait_unshard`` before its first,
+   ``unshard`` before the ``wait_unshard`` of the use that starts before it (or after the
+   unit's previous ``reshard``, whichever is later).
+4. ``gathered_peak`` by walking the placed nodes.
+
+Entry points: ``param_units(capture, ranks) -> tuple[ParamUnit, ...]`` (decided once per
+model: the engine keeps them for every program) and ``shard(program, stages, capture, units)
+-> GraphModule``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.fx
+
+from fxoverlap.ir import program as program_ops
+from fxoverlap.ir.capture import Capture
+from fxoverlap.ir.errors import FxOverlapError, InternalError
+from fxoverlap.ir.program import program_of, stage_calls
+from fxoverlap.ir.stage import Direction, Stage
+from fxoverlap.ir.unit import ParamUnit, UnitParam
+from fxoverlap.passes.reduce import ALIGN, parameter_readers, parameter_roles
+
+
+class ShardError(FxOverlapError, ValueError):
+    """The parameters cannot be sharded as ``OverlapConfig(shard_params=True)`` lays them out;
+    the message names the parameters, their shapes, the group size and the fix."""
+
+
+def _unit_name(layers: tuple[int, ...], role: str, num_layers: int) -> str:
+    def one(layer: int) -> str:
+        return "embed" if layer < 0 else "head" if layer >= num_layers else f"l{layer}"
+    return "+".join(one(x) for x in layers) + ("_expert" if role == "expert" else
+                                                "" if all(x < 0 or x >= num_layers for x in layers) else "_dense")
+
+
+def param_units(capture: Capture, ranks: Mapping[str, int]) -> tuple[ParamUnit, ...]:
+    """The units of the capture's parameters; ``ranks``: the group size per role
+    (``"dense"``, ``"expert"``). Raises :class:`ShardError` for a parameter whose first
+    dimension the group size does not divide (or a 0-dim parameter)."""
+    readers, roles = parameter_readers(capture), parameter_roles(capture)
+    meta = {}
+    for ph in capture.graph_module.graph.find_nodes(op="placeholder"):
+        if (fqn := capture.param_placeholders.get(ph.name)) is not None:
+            meta[fqn] = (tuple(int(d) for d in ph.meta["val"].shape), ph.meta["val"].dtype)
+    groups: dict[tuple, list[str]] = {}
+    bad = []
+    for fqn, tags in readers.items():
+        role = roles[fqn]
+        n = ranks[role]
+        if n == 1:
+            continue
+        shape, dtype = meta[fqn]
+        if not shape or shape[0] % n:
+            bad.append(f"{fqn} {list(shape)} over {n} ranks ({role})")
+            continue
+        layers = tuple(sorted({t.layer for t in tags if t is not None})) or (-1,)
+        groups.setdefault((layers, role, dtype), []).append(fqn)
+    if bad:
+        raise ShardError(
+            f"OverlapConfig(shard_params=True) splits each parameter's first dimension evenly over its group, "
+            f"which these cannot be: {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. Pad that dimension "
+            f"to a multiple of the group size (e.g. the vocabulary), or train with grad_reduce='reduce_scatter' "
+            f"(ZeRO-2) instead")
+    units = []
+    order = sorted(groups, key=lambda k: (min(k[0]), k[0], k[1] == "expert", str(k[2])))
+    for key in order:
+        layers, role, dtype = key
+        n = ranks[role]
+        params, offset = [], 0
+        for fqn in groups[key]:
+            shape = meta[fqn][0]
+            params.append(UnitParam(fqn, shape, offset))
+            offset = -(-(offset + math.prod(shape) // n) // ALIGN) * ALIGN
+        units.append(ParamUnit(len(units), _unit_name(layers, role, capture.num_layers), role, dtype, n,
+                               tuple(params)))
+    return tuple(units)
+
+
+def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Capture,
+          units: Sequence[ParamUnit]) -> torch.fx.GraphModule:
+    graph = program.graph
+    by_name = {s.name: s for s in stages}
+    placeholder = {fqn: ph for ph, fqn in capture.param_placeholders.items()}
+    unit_of: dict[str, int] = {}  # placeholder -> unit
+    for u in units:
+        for p in u.params:
+            if p.fqn not in placeholder:
+                raise InternalError(f"shard: unit {u.name}'s parameter {p.fqn} is not one of this capture's")
+            unit_of[placeholder[p.fqn]] = u.index
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    # 1.-2. the uses of each unit: spans of readers per (microbatch, direction), merged
+    spans: dict[tuple[int, int, Direction], list[torch.fx.Node]] = {}
+    for node, step in stage_calls(program):
+        stage = by_name[step.stage]
+        for u in {unit_of[v] for v in step.reads if v in unit_of}:
+            span = spans.setdefault((u, step.microbatch, stage.direction), [node, node])
+            span[1] = node
+    per_unit: dict[int, list[list[torch.fx.Node]]] = {}
+    for (u, _, _), (first, last) in sorted(spans.items(), key=lambda kv: order[kv[1][0]]):
+        uses = per_unit.setdefault(u, [])
+        if uses and order[first] <= order[uses[-1][1]]:
+            if order[last] > order[uses[-1][1]]:
+                uses[-1][1] = last
+        else:
+            uses.append([first, last])
+    _keep_through_short_gaps(per_unit, order)
+
+    # 3. placement
+    uses = sorted(((first, last, u, i) for u, us in per_unit.items() for i, (first, last) in enumerate(us)),
+                  key=lambda x: order[x[0]])
+    waits, reshards = {}, {}
+    for first, last, u, i in uses:
+        with graph.inserting_after(last):
+            reshards[(u, i)] = graph.call_function(program_ops.reshard, (u,))
+        with graph.inserting_before(first):
+            waits[(u, i)] = graph.call_function(program_ops.wait_unshard, (u,))
+    start = next(n for n in graph.nodes if n.op != "placeholder")
+    for k, (first, last, u, i) in enumerate(uses):
+        at = start if k == 0 else waits[uses[k - 1][2:]]
+        if i > 0:  # not before this unit's previous use has dropped it
+            prev = reshards[(u, i - 1)]
+            if _before(graph, at, prev):
+                at = prev.next
+        with graph.inserting_before(at):
+            graph.call_function(program_ops.unshard, (u,))
+
+    # 4. the most units gathered at once
+    live = peak = 0
+    for n in graph.nodes:
+        if n.target is program_ops.unshard:
+            live += 1
+            peak = max(peak, live)
+        elif n.target is program_ops.reshard:
+            live -= 1
+    record = program_of(program)
+    record.units, record.gathered_peak = tuple(units), peak
+    program.recompile()
+    return program
+
+
+def _keep_through_short_gaps(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict) -> None:
+    """Merge a use into the unit's previous one where the gather one use ahead would start
+    before that previous use ends (dropping the unit only to gather it again at once: F(0)'s
+    head and B(0)'s, say)."""
+    while True:
+        uses = sorted(((order[first], u, i) for u, us in per_unit.items() for i, (first, _) in enumerate(us)))
+        for k in range(1, len(uses)):
+            _, u, i = uses[k]
+            if i > 0 and uses[k - 1][0] <= order[per_unit[u][i - 1][1]]:
+                per_unit[u][i - 1][1] = per_unit[u][i][1]
+                del per_unit[u][i]
+                break
+        else:
+            return
+
+
+def _before(graph: torch.fx.Graph, a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether node ``a`` comes before (or is) node ``b`` in the graph."""
+    for n in graph.nodes:
+        if n is a:
+            return True
+        if n is b:
+            return False
+    raise InternalError("shard: node not in the graph")
