@@ -61,7 +61,7 @@ class Engine:
             raise GradReduceConfigError(f"fxoverlap.optimize: OverlapConfig(grad_reduce={config.grad_reduce!r}) needs "
                              f"dp_group (the ranks the gradients are reduced over)")
         # ZeRO-3: the parameters become DTensor shards at the first capture (fxoverlap/param_shard.py)
-        self.sharding = None if not config.shard_params else ParamSharding(check_shardable(model, groups))
+        self.sharding = None if not config.shard_params else ParamSharding(check_shardable(model, groups), ep_group)
         # data parallelism: the gradient reductions inside the program (None: p.grad stays local)
         self.grad_reduction = None if groups is None else GradReduction(groups, config.grad_reduce, self.sharding)
         self._cudagraphs = GraphCache(config.cuda_graphs)  # captured CUDA graphs; see close()
@@ -102,7 +102,7 @@ class Engine:
             if (ddp := wrapped_by_ddp(self.model)) is not None:
                 raise ddp
             cap = capture(self.model, inputs, fn, self.config.layer_container, train=train,
-                          explain=explain_capture_error, plain_params=() if self.sharding is None else self.sharding.fqns)
+                          explain=explain_capture_error, plain_params=None if self.sharding is None else self.sharding.program_shapes)
             # ep_group=None: the group the comm ops use (the key keeps the group the user passed)
             self.ep_group = self._inputs.adopt_group(cap)
             entry = CompiledModel.build(cap, self.config, self._device(), train)

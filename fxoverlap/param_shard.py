@@ -28,6 +28,7 @@ import gc
 import logging
 import math
 import time
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -60,12 +61,17 @@ class ParamSharding:
     model keeps no full copy) and creates the gathers' communicators. Each run then calls
     :meth:`begin`, and the program's nodes :meth:`start_gather`, :meth:`finish_gather`.
 
-    ``trace``: set to a list to record ``(event, unit, time.perf_counter())`` for
-    ``"gather"`` (issued), ``"wait"`` and ``"drop"``.
+    ``trace``: set to a list to record ``(event, unit, time.perf_counter(), extra)`` for
+    ``"gather"`` (issued), ``"wait"`` and ``"drop"`` (``extra``: how many of the unit's
+    gathered tensors something other than the stores still holds: 0 when the drop freed them).
+    :attr:`peak_bytes`: the most bytes of gathered parameters held at once in the last run.
     """
 
-    def __init__(self, groups: ReduceGroups):
-        self.groups = groups
+    def __init__(self, groups: ReduceGroups, ep_group: dist.ProcessGroup | None = None):
+        self.groups, self.ep_group = groups, ep_group
+        # the sharded parameters' shapes as the program reads them (an expert DTensor's global
+        # shape counts every EP rank's experts; the program reads this rank's)
+        self.program_shapes: dict[str, torch.Size] = {}
         self.units: tuple[ParamUnit, ...] | None = None
         self.fqns: frozenset[str] = frozenset()  # the sharded parameters
         self.held: dict[str, torch.Tensor] = {}  # this run's local gradients of sharded parameters
@@ -76,6 +82,8 @@ class ParamSharding:
         self._pending: dict[int, tuple] = {}
         self._stream = None
         self._model: nn.Module | None = None
+        self.live_bytes = self.peak_bytes = 0
+        self._alive: dict[int, list] = {}  # trace: weak references to each gathered unit's tensors
 
     @property
     def ranks(self) -> dict[str, int]:
@@ -114,10 +122,29 @@ class ParamSharding:
                     self._gather_groups[role] = group
         from torch.distributed.device_mesh import DeviceMesh
 
-        for role in mine:
-            if self.sharded(role):
-                group = self.groups.dp_group if role == "dense" else self.groups.expert_dp_group
-                self._meshes[role] = DeviceMesh.from_group(group, device.type)
+        if self.sharded("dense"):
+            self._meshes["dense"] = DeviceMesh.from_group(self.groups.dp_group, device.type)
+        if self.sharded("expert"):
+            self._meshes["expert"] = self._expert_mesh(device.type)
+
+    def _expert_mesh(self, device_type: str):
+        """The experts' mesh: ("ep", "edp") over ``dp_group``, so an expert parameter is one DTensor
+        holding every EP rank's experts (its first dimension split over EP, then over expert-DP):
+        checkpoints then keep each EP rank's experts apart (one name, other rows)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ep_ranks = (dist.get_rank(),) if self.ep_group is None else tuple(dist.get_process_group_ranks(self.ep_group))
+        if len(ep_ranks) == 1:
+            return DeviceMesh.from_group(self.groups.expert_dp_group, device_type)
+        me = dist.get_rank()
+        coords: list = [None] * self.groups.dp_size
+        dist.all_gather_object(coords, (me, ep_ranks.index(me), self.groups.expert_dp_ranks.index(me)),
+                               group=self.groups.dp_group)
+        mesh = torch.empty(len(ep_ranks), len(self.groups.expert_dp_ranks), dtype=torch.int)
+        for rank, e, d in coords:
+            mesh[e, d] = rank
+        return DeviceMesh.from_group([self.ep_group, self.groups.expert_dp_group], device_type, mesh=mesh,
+                                     mesh_dim_names=("ep", "edp"))
 
     def _shard_model(self, model: nn.Module, units: tuple[ParamUnit, ...]) -> dict[int, nn.Parameter]:
         """Each sharded parameter becomes a ``Shard(0)`` DTensor parameter, under every name the
@@ -143,9 +170,12 @@ class ParamSharding:
                                                 f"parameters; {up.fqn} is not (make it contiguous before optimize)")
                 rows = unit.rows(up)
                 local = old.detach()[rank * rows:(rank + 1) * rows].clone()
-                new = nn.Parameter(DTensor.from_local(local, self._meshes[unit.role], [Shard(0)], run_check=False,
-                                                      shape=old.shape, stride=old.stride()),
+                mesh = self._meshes[unit.role]
+                shape = (old.shape[0] * (mesh.size() // unit.ranks), *old.shape[1:])  # experts: every EP rank's
+                new = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False,
+                                                      shape=torch.Size(shape), stride=old.stride()),
                                    requires_grad=old.requires_grad)
+                self.program_shapes[up.fqn] = old.shape
                 for mod, name in holders[id(old)]:
                     mod._parameters[name] = new
                 replaced[id(old)] = new
@@ -163,6 +193,7 @@ class ParamSharding:
         self._params = params if params is not None else dict(self._model.named_parameters())
         self._pending.clear()
         self.held.clear()
+        self.live_bytes = self.peak_bytes = 0
 
     def start_gather(self, index: int) -> None:
         """Pack this rank's shards of unit ``index`` and all-gather them, asynchronously."""
@@ -188,7 +219,7 @@ class ParamSharding:
             work = all_gather_single(recv, send, group=group, async_op=True)
         self._pending[index] = (work, recv, send)
         if self.trace is not None:
-            self.trace.append(("gather", index, time.perf_counter()))
+            self.trace.append(("gather", index, time.perf_counter(), None))
 
     def finish_gather(self, index: int) -> dict[str, torch.Tensor]:
         """Wait for unit ``index``'s gather (the current stream waits) and return its full
@@ -199,13 +230,19 @@ class ParamSharding:
         blocks = recv.view(unit.ranks, unit.shard_numel)
         out = {up.fqn: blocks[:, up.offset:up.offset + unit.shard_elems(up)].reshape(up.shape)
                for up in unit.params}
+        self.live_bytes += gathered_bytes(unit)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         if self.trace is not None:
-            self.trace.append(("wait", index, time.perf_counter()))
+            self.trace.append(("wait", index, time.perf_counter(), None))
+            self._alive[index] = [weakref.ref(t) for t in out.values()]
         return out
 
     def dropped(self, index: int) -> None:
+        """Unit ``index``'s tensors left the stores (``reshard``)."""
+        self.live_bytes -= gathered_bytes(self.units[index])
         if self.trace is not None:
-            self.trace.append(("drop", index, time.perf_counter()))
+            alive = sum(r() is not None for r in self._alive.pop(index, []))
+            self.trace.append(("drop", index, time.perf_counter(), alive))
 
     def local_bytes(self, model: nn.Module) -> int:
         """Bytes of parameter storage this rank holds (shards of the sharded ones, whole others)."""

@@ -66,7 +66,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -178,16 +178,16 @@ _ABSENT = object()
 
 
 @contextlib.contextmanager
-def _plain_stand_ins(model: nn.Module, names: Collection[str], fake_mode):
-    """Put a plain fake tensor of each named parameter's full shape (in ``fake_mode``: no memory)
-    in its place, under every name it is held by; ``_restore_state`` puts the parameters back."""
-    if names:
+def _plain_stand_ins(model: nn.Module, shapes: Mapping[str, torch.Size] | None, fake_mode):
+    """Put a plain fake tensor of the given shape (in ``fake_mode``: no memory) in each named
+    parameter's place, under every name it is held by; ``_restore_state`` puts them back."""
+    if shapes:
         named = dict(model.named_parameters())
         stand_in = {}
-        for name in names:
+        for name, shape in shapes.items():
             p = named[name]
             with fake_mode:
-                fake = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+                fake = torch.empty(shape, dtype=p.dtype, device=p.device)
             stand_in[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
         for mod in model.modules():
             for k, p in list(mod._parameters.items()):
@@ -447,7 +447,7 @@ def capture(
     scalar_loss: bool = True,
     lists: Mapping[str, LayerCandidate] | None = None,
     explain: Callable[[nn.Module, BaseException], str | None] | None = None,
-    plain_params: Collection[str] = (),
+    plain_params: Mapping[str, torch.Size] | None = None,
 ) -> Capture:
     """Trace one train step of ``model`` on inputs shaped like ``inputs``; no data is used.
 
@@ -460,7 +460,7 @@ def capture(
     pass's hooks on the model's lists; the chosen one's entries and children come from it.
     ``explain(model, exc)``: a message for a tracing failure the caller knows how to explain
     (``optimize`` passes ``expert_parallel.explain_capture_error``), raised as ``CaptureError``.
-    ``plain_params``: parameters (by name) traced as plain tensors of their full shape,
+    ``plain_params``: parameters (by name) traced as plain contiguous tensors of the given shape,
     whatever they are now (ZeRO-3's DTensor shards: the program reads gathered full ones).
     """
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors

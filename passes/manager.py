@@ -161,9 +161,11 @@ def _recompute(st: PassState) -> None:
 
 def _split(st: PassState) -> None:
     delay = st.config.resolved_delay_wgrad(st.device_type) and st.train
-    st.stages = split(st.graph, st.capture.num_layers, delay_wgrad=delay)
+    # ZeRO-3: a stage reads the (gathered) parameters themselves, no value made of them crosses stages
+    static = frozenset(st.capture.static_placeholders) if st.config.shard_params else None
+    st.stages = split(st.graph, st.capture.num_layers, delay_wgrad=delay, static=static)
     if st.whole_graph is not None:
-        whole = split(st.whole_graph, st.capture.num_layers, delay_wgrad=delay)
+        whole = split(st.whole_graph, st.capture.num_layers, delay_wgrad=delay, static=static)
         st.stages, why = with_whole_chains(st.stages, whole)
         if why is not None:
             _progress(f"fxoverlap: the chunks run in every microbatch, the merged steps' too: {why}",

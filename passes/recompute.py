@@ -69,7 +69,7 @@ import torch
 import torch.fx
 
 from fxoverlap.ir.errors import FxOverlapError
-from fxoverlap.ir.meta import (CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, SAVED_COMM_KEY, TAG_KEY, custom,
+from fxoverlap.ir.meta import (CHECKPOINT_KEY, RECOMPUTE_LAYERS_KEY, REGION_KEY, REPLAYS_KEY, SAVED_COMM_KEY, TAG_KEY, custom,
                             draws_random_numbers, is_host_sync, op_name)
 from fxoverlap.ir.stage import COMM_KINDS, Direction, StageKind, Tag
 
@@ -178,6 +178,7 @@ def recompute(gm: torch.fx.GraphModule, num_layers: int, mhc_group: int | None =
                 t = pc.meta[TAG_KEY]
                 phase = max(phase, t.phase + (not comm and t.kind is StageKind.RECOMPUTE_COMM))
         c.meta = dict(node.meta)
+        c.meta[REPLAYS_KEY] = node.meta.get(REPLAYS_KEY, node.meta[TAG_KEY])
         c.meta["partitioner_tag"] = "is_backward"
         kind = StageKind.RECOMPUTE_COMM if comm else StageKind.RECOMPUTE
         c.meta[TAG_KEY] = Tag(Direction.BWD, layers_of[g][-1], kind, phase=phase)

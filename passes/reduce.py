@@ -62,7 +62,7 @@ import torch
 import torch.fx
 
 from fxoverlap.ir import program as program_ops
-from fxoverlap.ir.meta import STEP_KEY, TAG_KEY
+from fxoverlap.ir.meta import REPLAYS_KEY, STEP_KEY, TAG_KEY
 from fxoverlap.ir.bucket import Bucket, GradSlot, slots_end
 from fxoverlap.ir.capture import Capture
 from fxoverlap.ir.program import Step, add_marker, bucket_value, marker_args, program_of, steps
@@ -77,7 +77,8 @@ ALIGN = 64  # elements: each gradient's offset in a flat buffer is a multiple of
 
 
 def parameter_readers(capture: Capture) -> dict[str, set[Tag | None]]:
-    """The tags of the nodes that read each parameter (FQN); None for an untagged reader.
+    """The tags of the nodes that read each parameter (FQN); None for an untagged reader. A
+    recompute clone counts with the tag of the forward node it replays (``REPLAYS_KEY``).
 
     Read on the tagged joint graph (``tag`` ran). The readers of a parameter are the
     first nodes that combine it with per-microbatch data, following the ops that compute
@@ -104,8 +105,8 @@ def parameter_readers(capture: Capture) -> dict[str, set[Tag | None]]:
                 seen.add(user)
                 if user in weights_only:
                     todo.append(user)
-                else:
-                    tags.add(user.meta.get(TAG_KEY))
+                else:  # a recompute clone reads as the forward node it replays
+                    tags.add(user.meta.get(REPLAYS_KEY, user.meta.get(TAG_KEY)))
         readers[fqn] = tags
     return readers
 

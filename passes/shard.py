@@ -18,9 +18,9 @@ Guarantees, for every unit ``u`` of ``units`` and every parameter of it (by FQN)
 - each use is bracketed by ``wait_unshard(u)`` right before its first reader and
   ``reshard(u)`` right after its last: no stage reads a parameter of ``u`` outside one;
 - ``unshard(u)`` (the gather's start) comes one use ahead: right before the
-  ``wait_unshard`` of the use that starts before it (any unit's), so one gather is always in
-  flight under the previous unit's compute; never before ``u``'s previous ``reshard``; the
-  first use's at the start of the program;
+  ``wait_unshard`` of the last use that starts at an earlier reader (any unit's), so a gather
+  is in flight under the previous unit's compute; never before ``u``'s previous ``reshard``;
+  the uses that start at the program's first reader gather at the start of the program;
 - ``program_of(program).units`` is ``units`` and ``.gathered_peak`` the most units gathered or
   being gathered at any point of the program (``unshard`` .. ``reshard``). Bound: the uses
   open at one point (1F1B's merged step F(i+1) ⊗ B(i): a forward and a backward layer, each
@@ -40,8 +40,8 @@ Steps
    a use merged into the unit's previous one where its gather (one use ahead) would start
    before that one ends.
 3. Placement: ``reshard`` after each use's last reader, ``wait_unshard`` before its first,
-   ``unshard`` before the ``wait_unshard`` of the use that starts before it (or after the
-   unit's previous ``reshard``, whichever is later).
+   ``unshard`` before the ``wait_unshard`` of the last use that starts at an earlier reader (or
+   after the unit's previous ``reshard``, whichever is later).
 4. ``gathered_peak`` by walking the placed nodes.
 
 Entry points: ``param_units(capture, ranks) -> tuple[ParamUnit, ...]`` (decided once per
@@ -161,8 +161,16 @@ def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Captu
         with graph.inserting_before(first):
             waits[(u, i)] = graph.call_function(program_ops.wait_unshard, (u,))
     start = next(n for n in graph.nodes if n.op != "placeholder")
-    for k, (first, last, u, i) in enumerate(uses):
-        at = start if k == 0 else waits[uses[k - 1][2:]]
+    ahead_of: dict[torch.fx.Node, torch.fx.Node] = {}  # a use's first reader -> where its gather starts
+    prev_first, at = None, start
+    for first, _, u, i in uses:
+        if first is not prev_first and prev_first is not None:
+            # the uses that start at this reader gather under the last use that starts before it
+            at = waits[next(x[2:] for x in uses if x[0] is prev_first)]
+        ahead_of.setdefault(first, at)
+        prev_first = first
+    for first, last, u, i in uses:
+        at = ahead_of[first]
         if i > 0:  # not before this unit's previous use has dropped it
             prev = reshards[(u, i - 1)]
             if _before(graph, at, prev):

@@ -72,8 +72,13 @@ def _copy_attr(src: nn.Module, dst: nn.Module, target: str) -> None:
         setattr(dst, leaf, val)
 
 
-def stage_boundary(nodes: list[torch.fx.Node]) -> tuple[list[str], list[str]]:
-    """Names of the values ``nodes`` read from outside, and of those they hand out."""
+def stage_boundary(nodes: list[torch.fx.Node], copied: dict[torch.fx.Node, set] | None = None,
+                   group_of: dict[torch.fx.Node, object] | None = None, tag: object = None
+                   ) -> tuple[list[str], list[str]]:
+    """Names of the values ``nodes`` read from outside, and of those they hand out. ``copied``
+    (node -> the groups that compute a copy of it), ``group_of`` (node -> its own group) and
+    ``tag`` (this group): a value whose outside readers all compute their own copy is not handed
+    out, nor is a copy (its own group hands it out where anything must)."""
     members = set(nodes)
     inputs: list[str] = []
     outputs: list[str] = []
@@ -81,7 +86,9 @@ def stage_boundary(nodes: list[torch.fx.Node]) -> tuple[list[str], list[str]]:
         for p in n.all_input_nodes:
             if p not in members and p.name not in inputs:
                 inputs.append(p.name)
-        if any(u not in members for u in n.users):
+        if copied and n in copied and group_of.get(n) != tag:
+            continue
+        if any(u not in members and not (copied and group_of.get(u) in copied.get(n, ())) for u in n.users):
             outputs.append(n.name)
     return inputs, outputs
 
@@ -154,7 +161,8 @@ def not_capturable_reason(name: str, kind: StageKind, gm: torch.fx.GraphModule) 
     return None
 
 
-def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) -> list[Stage]:
+def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False,
+          static: frozenset[str] | None = None) -> list[Stage]:
     groups: dict[Tag, list[torch.fx.Node]] = {}
     for n in gm.graph.nodes:
         t = n.meta.get(TAG_KEY)
@@ -180,10 +188,12 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False) 
                     groups[t.with_part(Part.WGRAD)] = w
     _keep_results_with_their_op(groups)
     _keep_passing_views_with_their_input(groups)
+    group_of = {n: t for t, nodes in groups.items() for n in nodes}
+    copied = None if static is None else _derive_weight_values_where_read(groups, static)
     stages = []
     for t in sorted(groups, key=lambda k: k.sort_key(num_layers)):
         nodes = groups[t]
-        inputs, outputs = stage_boundary(nodes)
+        inputs, outputs = stage_boundary(nodes, copied, group_of, t)
         name = stage_name(t)
         stage_gm = build_stage_module(gm, nodes, inputs, outputs, name)
         stages.append(Stage(
@@ -248,6 +258,47 @@ def _keep_passing_views_with_their_input(groups: dict[Tag, list[torch.fx.Node]])
     groups.clear()
     for n in sorted(group_of, key=order.get):
         groups.setdefault(group_of[n], []).append(n)
+
+
+def _derive_weight_values_where_read(groups: dict[Tag, list[torch.fx.Node]],
+                                     static: frozenset[str]) -> dict[torch.fx.Node, set[Tag]]:
+    """Each stage computes the values it reads that come from parameters and buffers alone (a
+    transposed weight, its cast) itself, from the placeholders, instead of reading them from the
+    stage that made them: so no value made of a parameter crosses a stage boundary, and a stage
+    that reads a parameter reads the placeholder (fully sharded parameters are gathered around
+    their readers and freed after: a forward stage's ``w.t()`` kept for the backward would keep
+    the gathered weight alive). Returns node -> the groups that compute a copy of it."""
+    weights: set[torch.fx.Node] = set()
+    graph_nodes = next(iter(groups.values()))[0].graph.nodes
+    for n in graph_nodes:
+        ins = n.all_input_nodes
+        if n.op == "call_function" and ins and all(
+                (i.op == "placeholder" and i.name in static) or i in weights for i in ins):
+            weights.add(n)
+    group_of = {n: t for t, nodes in groups.items() for n in nodes}
+    order = {n: i for i, n in enumerate(graph_nodes)}
+    copied: dict[torch.fx.Node, set[Tag]] = {}
+    for t, nodes in groups.items():
+        members = set(nodes)
+        todo = [i for n in nodes for i in n.all_input_nodes if i in weights and i not in members]
+        while todo:
+            w = todo.pop()
+            if w in members:
+                continue
+            members.add(w)
+            copied.setdefault(w, set()).add(t)
+            todo.extend(i for i in w.all_input_nodes if i in weights and i not in members)
+        if len(members) != len(nodes):
+            groups[t] = sorted(members, key=order.get)
+    # a weight value that only copies read is dropped from its own group
+    for w in copied:
+        own = group_of.get(w)
+        if own is not None and all(u.op != "output" and group_of.get(u) != own and group_of.get(u) in copied[w]
+                                   for u in w.users):
+            groups[own] = [n for n in groups[own] if n is not w]
+    for t in [t for t, nodes in groups.items() if not nodes]:
+        del groups[t]
+    return copied
 
 
 def _check_order(stages: list[Stage]) -> None:

@@ -12,6 +12,8 @@ Joint-graph nodes (the captured train step) carry, in ``node.meta``:
 * :data:`TAG_KEY`: the node's :class:`~fxoverlap.ir.stage.Tag` (set by ``tag``, refined by
   ``side`` and ``recompute``);
 * :data:`RECOMPUTE_LAYERS_KEY`: on recompute clones, the layers of their group;
+* :data:`REPLAYS_KEY`: on recompute clones, the :class:`~fxoverlap.ir.stage.Tag` of the forward
+  node each replays (an experts op replayed in a recompute stage still reads expert weights);
 * :data:`RNG_ORDER_KEY`: on random ops, their index in eager's order of draws (``rng``);
   stage graphs keep it, and ``schedule`` checks the program's draws against it.
 
@@ -39,6 +41,7 @@ LIST_KEY = "fxoverlap_lists"
 # ---- joint-graph node metadata written by the passes
 TAG_KEY = "fxoverlap_tag"
 RECOMPUTE_LAYERS_KEY = "fxoverlap_recompute_layers"
+REPLAYS_KEY = "fxoverlap_replays"  # recompute: on a clone, the Tag of the forward node it replays
 RNG_ORDER_KEY = "fxoverlap_rng_order"  # rng: a random op's index in eager's order of draws
 
 # ---- joint-graph metadata (GraphModule.meta) written by the passes
