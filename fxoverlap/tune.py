@@ -308,6 +308,7 @@ class StageProfile:
                 whole.setdefault(_role(s), {})[part] = t
             else:
                 chunked.setdefault(_role(s), {}).setdefault(part, []).append(t)
+        self._chunks = {(role, part): len(ts) for role, parts in chunked.items() for part, ts in parts.items()}
         for role, parts in chunked.items():
             for part, ts in parts.items():
                 cost = 1 + (self.chunk_cost if len(ts) > 1 else 0.0)
@@ -316,14 +317,16 @@ class StageProfile:
 
     def estimate(self, stage: Stage, stages: Sequence[Stage]) -> float:
         """The time of ``stage``, one of ``stages`` (a candidate's), by the rules above."""
-        if stage.name in self.stage_ms:
-            return self.stage_ms[stage.name]
-        role = _role(stage)
+        role, part = _role(stage), stage.part
         parts = self._whole.get(role, {})
         main, wgrad = parts.get(Part.MAIN.value), parts.get(Part.WGRAD.value)
-        part = stage.part
-        if part in (Part.MAIN, Part.WGRAD) and stage.direction is Direction.BWD and stage.kind in _SPLIT_KINDS:
-            split_here = any(_role(s) == role and s.part is Part.WGRAD for s in stages)
+        splits = part in (Part.MAIN, Part.WGRAD) and stage.direction is Direction.BWD and stage.kind in _SPLIT_KINDS
+        split_here = splits and any(_role(s) == role and s.part is Part.WGRAD for s in stages)
+        k = sum(1 for s in stages if _role(s) == role and s.part is part and s.chunk is not None)
+        if (stage.name in self.stage_ms and split_here == (splits and wgrad is not None)
+                and (stage.chunk is None or self._chunks.get((role, part.value)) == k)):
+            return self.stage_ms[stage.name]  # the same stage was measured (same split, same chunks)
+        if splits:
             combined = (main or 0.0) + (wgrad or 0.0)
             if part is Part.WGRAD:
                 t = wgrad if wgrad is not None else combined * self.wgrad_share
@@ -334,7 +337,6 @@ class StageProfile:
         else:
             t = parts.get(part.value, 0.0)
         if stage.chunk is not None:
-            k = sum(1 for s in stages if _role(s) == role and s.part is part and s.chunk is not None)
             t = t / max(k, 1) * (1 + (self.chunk_cost if k > 1 else 0.0))
         return t
 
