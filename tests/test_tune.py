@@ -238,3 +238,22 @@ def test_ranks_agree_slowest_rank_decides():
         assert "different candidate lists" in r["mismatch"] and r["mismatch_timed"] == 0
         assert r["choice"] == 8 and r["measured"] == [10.0, 6.0]  # MAX over the ranks, on both
         assert r["grads_none"]
+
+
+def test_step_model_on_a_real_program_and_the_budget():
+    """The whole flow on CPU with the host clock: the defaults' program timed and its stages
+    profiled, the other program predicted from its structure (no compile), then left out by a
+    budget of 0 s; the choice is the defaults', with its predicted step at 4/8/16 microbatches."""
+    from fxoverlap.tune import WallTimer
+
+    model, mbs = tiny(n=2)
+    cfg = fxoverlap.OverlapConfig(progress=False)
+    cands = [Candidate(), Candidate(delay_wgrad=True)]
+    res = tune_with_report(model, None, mbs, config=cfg, timer=WallTimer(), candidates=cands, budget_s=0.0,
+                           cache=False, iters=1)
+    assert res.choice == cands[0] and res.config == cands[0].config(cfg)
+    assert [r["status"] for r in res.table] == ["timed, chosen", "skipped (budget)"]
+    assert all(r["predicted_ms"] > 0 for r in res.table) and res.table[0]["measured_ms"] > 0
+    p = res.microbatch_prediction
+    assert sorted(p) == [4, 8, 16] and 0 < p[4] < p[8] < p[16]
+    assert all(p.grad is None for p in model.parameters())
