@@ -52,7 +52,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 import statistics
 import tempfile
