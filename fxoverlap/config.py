@@ -225,6 +225,14 @@ class OverlapConfig:
             :class:`~fxoverlap.program_key.ProgramKey`: input shapes, the model's training
             flags, ``requires_grad``, autocast, hooks, the loss function, ...
             (docs/training_loop.md). 8, as Dynamo's ``recompile_limit``.
+        autotune: choose ``chunks``, ``chunks_in_merged_steps``, ``delay_wgrad``,
+            ``expert_wgrad_slot``, ``dispatcher``, ``sm_carveout`` and ``comm_stream_priority`` by
+            measurement (:func:`fxoverlap.tune`, docs/tune.md) at the engine's first
+            ``forward_backward`` (or ``forward_only``) call, on those microbatches, then run with the
+            choice (cached on disk: later processes reuse it without timing). Tuning times steps
+            with CUDA events: on a model whose parameters are not on CUDA the engine keeps the
+            settings as given, with one ``TuneSkipped`` warning. Only ``fxoverlap.optimize``
+            tunes; the other front ends refuse it (call ``fxoverlap.tune`` and pass its config).
         disable_passes: names of passes to switch off, for debugging (``fxoverlap.passes.PASSES``
             lists them in order, with why each can or cannot be). Switchable: ``"side"`` (as
             ``side_stages=False``), ``"cudagraph"`` (no CUDA graphs), ``"inductor"`` (compute
@@ -272,6 +280,9 @@ class OverlapConfig:
     disable_passes: tuple[str, ...] = _field((), "stages")
     expert_wgrad_slot: int = _field(2, "program", refused_by=dict.fromkeys(
         (BACKEND, PIPELINE), "its programs run one microbatch at a time, so they have no merged steps"))
+    autotune: bool = _field(False, "front end", refused_by=dict.fromkeys(
+        (BACKEND, PIPELINE), "tuning times whole steps of fxoverlap.optimize's engine; call fxoverlap.tune(model, "
+                             "ep_group, microbatches) and pass the OverlapConfig it returns"))
     max_programs: int = _field(8, "front end", refused_by={
         BACKEND: "Dynamo caches the backend's compiled graphs (torch._dynamo.config.recompile_limit bounds them)",
         PIPELINE: "each pipeline stage keeps the programs of its own schedule"})
@@ -316,6 +327,8 @@ class OverlapConfig:
             raise ConfigError("OverlapConfig(shard_params=True, cuda_graphs=True): a gathered parameter lives in "
                               "new memory at every step, which a CUDA graph cannot follow; leave cuda_graphs unset "
                               "(off with shard_params)")
+        if not isinstance(self.autotune, bool):
+            raise ConfigError(f"OverlapConfig.autotune must be True or False, got {self.autotune!r}")
         if not self.reduce_bucket_mb >= 0:
             raise ConfigError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
 

@@ -71,6 +71,7 @@ class Engine:
         self._last: tuple[CompiledModel, CompiledProgram] | None = None
         self.memory_trace: list[tuple[str, int, int]] = []
         self.leftover: dict[int, list[str]] = {}  # record_memory: values left in the stores at the end
+        self.tune_result = None  # OverlapConfig(autotune=True): what the first call's tuning chose and tried
 
     def __deepcopy__(self, memo: dict) -> Engine:
         """A new engine over a deep copy of the model, with the same groups and config and an
@@ -183,6 +184,8 @@ class Engine:
         adds the average into what ``p.grad`` held (taken as already reduced: accumulation
         over calls gives the average of the sum); every reduction has finished when this returns.
         """
+        if self.config.autotune:
+            self._autotune(microbatches, loss_fn, forward_only=False)
         mbs = self._check(microbatches, loss_fn)
         entry, tensors = self._entry(mbs[0], loss_fn, train=True)
         prog = self._program(entry, len(mbs))
@@ -220,7 +223,24 @@ class Engine:
         mode), or the updates of a buffer the forward changes in place that two layers share.
         Then one after the other, each cut into chunks, as ``engine(*mb)`` runs them.
         """
+        if self.config.autotune:
+            self._autotune(microbatches, output_fn, forward_only=True)
         return self._forward_only(self._check(microbatches, output_fn, "forward_only", "output_fn"), output_fn)
+
+    def _autotune(self, microbatches: Sequence, fn: Callable | None, forward_only: bool) -> None:
+        """``OverlapConfig(autotune=True)``, first call: tune on these microbatches
+        (:func:`fxoverlap.tune.tune_with_report`; on CPU one ``TuneSkipped`` warning and the config
+        kept) and run with the result from now on (``self.tune_result`` holds its table)."""
+        from fxoverlap.tune import tune_with_report
+
+        mbs = self._check(microbatches, fn, "forward_only" if forward_only else "forward_backward",
+                          "output_fn" if forward_only else "loss_fn")  # the input errors first
+        del mbs
+        self.tune_result = tune_with_report(self.model, self.ep_group, microbatches, fn, config=self.config,
+                                            forward_only=forward_only, dp_group=self._groups["dp"],
+                                            expert_dp_group=self._groups["expert_dp"])
+        self.config = self.tune_result.config  # autotune off: tuned once
+        self.clear_cache()
 
     def _forward_only(self, mbs: list[tuple], output_fn: Callable | None) -> list:
         entry, tensors = self._entry(mbs[0], output_fn, train=False)

@@ -60,6 +60,8 @@ COMMANDS: dict[str, Command] = {
     "link": Command("gpu_link", "main", "the emulated link's hold kernel, alone and beside GEMMs", "python"),
     "carveout": Command("gpu_carveout", "main", "compute kernels beside the hold kernel, per SM carveout "
                         "(JSON lines on stdout)", "python"),
+    "tune": Command("gpu_tune", "main", "fxoverlap.tune against an exhaustive sweep and the defaults, per model "
+                    "and emulated link speed (JSON lines to --out)", "python"),
     "dp": Command("gpu_dp", "main", "data-parallel gradient reduction inside the program, measured", "torchrun"),
     "hf": Command("hf_gpu", "cli", "transformers MoE families through expert_parallel on one GPU "
                   "(--real: released layer shapes, one process per (model, mode))", "python"),

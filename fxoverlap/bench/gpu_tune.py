@@ -1,0 +1,153 @@
+"""``fxoverlap.tune`` against an exhaustive sweep of the same knobs and against the defaults, per
+model and emulated link speed (issue 40's "done when"; docs/tune.md).
+
+    python -m fxoverlap.bench tune --out $OUT [--models peer,qwen3_moe,deepseek_v3] [--gbps 45,100,300]
+                                   [--budget 60] [--microbatches 8] [--iters 3] [--no-sweep]
+    python -m fxoverlap.bench tune --tiny --device cpu --quick --out /tmp/t   # CPU smoke: host clock
+
+One GPU, one process: each model is one rank of emulated EP (``EmulatedGroup``; the peer's shape at
+EP 8 with E/8 local experts, the HF layers as ``bench hf --real`` builds them), and for each link
+speed (the group's link set between runs, nothing recompiled for it):
+
+1. ``sweep``: ``tune_with_report(exhaustive=True)``: every candidate program compiled and every
+   candidate timed (``--no-sweep`` skips it: it takes minutes per link at the real shapes);
+2. ``tuned``: ``tune_with_report(budget_s=--budget)`` (cache off), its wall time is the tuning cost;
+3. the defaults' config, the tuned config and the sweep's best, each timed again the same way
+   (a fresh engine, ``--warmup`` steps, then the median of ``--iters`` steps between CUDA events),
+   back to back, so the comparison does not depend on when the tables were measured.
+
+Writes one JSON line per (model, link) to ``--out``/``tune.jsonl``: the three re-timed steps, the
+ratios (tuned / sweep best: the criterion is <= 1.02; tuned / defaults: <= 1.00), the tuning cost
+against the budget, the choice, the predicted step at 4/8/16 microbatches, and both tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import fxoverlap
+from fxoverlap.bench.commands import SupportModule
+from fxoverlap.kernels import emulated_link as el
+from fxoverlap.tune import Candidate, CudaEventTimer, Space, WallTimer, tune_with_report
+
+hf_cases = SupportModule("hf_cases")
+
+
+def build(name: str, device: torch.device, tiny: bool, microbatches: int | None):
+    """(model, microbatches, loss_fn, ep, global experts, group) for ``name``."""
+    from fxoverlap.testing import token_batches
+
+    if name == "peer":
+        from fxoverlap.bench.cli import emulated_config
+        from fxoverlap.models import MoEConfig, MoETransformer
+
+        ep = 2 if tiny else 8
+        cfg = MoEConfig.tiny() if tiny else MoEConfig.benchmark()
+        experts = cfg.n_experts
+        cfg = emulated_config(cfg, ep)
+        group = el.EmulatedGroup(None)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = MoETransformer(cfg, group)
+        model.to(torch.float32 if device.type == "cpu" else torch.bfloat16)
+        n = microbatches or (3 if tiny else 8)
+        mbs = token_batches(cfg.vocab_size, n, (2, 16) if tiny else (1, 4096), seed=0, device=device)
+        return model, mbs, None, ep, experts, group
+    from fxoverlap.bench import hf_gpu
+
+    _, ep, experts, _ = hf_gpu.REAL[name]
+    group = el.EmulatedGroup(None)
+    model = fxoverlap.expert_parallel(hf_gpu._real_model(name), group)
+    g = torch.Generator().manual_seed(0)
+    n = microbatches or hf_gpu.N_MB
+    mbs = [torch.randint(0, hf_gpu.VOCAB_REAL, (1, hf_gpu.SEQ), generator=g).to(device) for _ in range(n)]
+    return model, mbs, hf_cases.next_token_loss, ep, experts, group
+
+
+def time_config(model, group, mbs, loss_fn, cfg, timer, warmup: int, iters: int) -> float:
+    """A fresh engine with ``cfg``: ``warmup`` steps, then the timer's median of ``iters``."""
+    engine = fxoverlap.optimize(model, group, cfg)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        return engine.forward_backward(mbs, loss_fn)
+
+    for _ in range(warmup):
+        step()
+    ms = timer.step_ms(Candidate(), step, iters)
+    engine.close()
+    model.zero_grad(set_to_none=True)
+    return ms
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m fxoverlap.bench tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="peer,qwen3_moe,deepseek_v3",
+                   help="peer (the Megatron peer's shape) and/or bench hf --real's names (qwen3_moe, deepseek_v3, ...)")
+    p.add_argument("--gbps", default="45,100,300", help="emulated link speeds, GB/s")
+    p.add_argument("--budget", type=float, default=60.0, help="tune's budget_s")
+    p.add_argument("--microbatches", type=int, help="default: 8 (peer), 4 (HF)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3, help="timed steps per candidate and per re-timed row")
+    p.add_argument("--no-sweep", action="store_true", help="skip the exhaustive sweep")
+    p.add_argument("--tiny", action="store_true", help="MoEConfig.tiny (the peer model only), for smoke runs")
+    p.add_argument("--quick", action="store_true", help="a small space (chunks 1/2, carve-out 0/24): smoke runs")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    fxoverlap.enable_dynamic_output_shapes()
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    timer = CudaEventTimer(device) if device.type == "cuda" else WallTimer()  # CPU: smoke only, host clock
+    space = Space(chunks=(1, 2), chunks_in_merged_steps=(False,), sm_carveout=(0, 24), comm_stream_priority=(-1,)) \
+        if a.quick else Space()
+    cfg = fxoverlap.OverlapConfig(progress=False)
+    path = os.path.join(a.out, "tune.jsonl")
+    for name in [m for m in a.models.split(",") if m]:
+        model, mbs, loss_fn, ep, experts, group = build(name, device, a.tiny, a.microbatches)
+        for gbps in [float(x) for x in a.gbps.split(",") if x]:
+            group.link = el.Link(gbps, ep=ep, experts=experts, name=f"{gbps:g}GB/s")
+            row = {"model": name, "gbps": gbps, "ep": ep, "emulated": True, "microbatches": len(mbs),
+                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   "torch": torch.__version__, "budget_s": a.budget, "timer": type(timer).__name__}
+            kw = dict(config=cfg, timer=timer, space=space, cache=False, iters=a.iters, warmup=a.warmup)
+            sweep = None
+            if not a.no_sweep:
+                t0 = time.perf_counter()
+                sweep = tune_with_report(model, group, mbs, loss_fn, **kw, exhaustive=True)
+                row["sweep_s"] = round(time.perf_counter() - t0, 1)
+                row["sweep_table"] = sweep.table
+            tuned = tune_with_report(model, group, mbs, loss_fn, budget_s=a.budget, **kw)
+            row.update(tune_s=round(tuned.seconds, 1), choice=tuned.choice.fields(), tuned_table=tuned.table,
+                       predicted_ms_by_microbatches=tuned.microbatch_prediction,
+                       timed_programs=sum(1 for r in tuned.table if r["status"].startswith("timed")))
+            configs = {"defaults": cfg, "tuned": tuned.config}
+            if sweep is not None:
+                configs["sweep_best"] = sweep.config
+                row["sweep_choice"] = sweep.choice.fields()
+            for what, c in configs.items():
+                row[f"{what}_ms"] = time_config(model, group, mbs, loss_fn, c, timer, a.warmup, a.iters)
+            row["tuned_vs_defaults"] = row["tuned_ms"] / row["defaults_ms"]
+            if sweep is not None:
+                row["tuned_vs_sweep_best"] = row["tuned_ms"] / row["sweep_best_ms"]
+                row["within_2pct"] = row["tuned_vs_sweep_best"] <= 1.02
+            row["not_slower_than_defaults"] = row["tuned_ms"] <= row["defaults_ms"]
+            row["cost_within_budget"] = tuned.seconds <= a.budget
+            with open(path, "a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+            print("TUNE", json.dumps({k: v for k, v in row.items() if not k.endswith("_table")}, default=str),
+                  flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
