@@ -320,7 +320,7 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, of
         return y
     # Bias rows gathered in fp32: the same forward (one rounding of the exact sum), and the
     # backward sums each expert's rows (an index_add) in fp32 instead of in bf16.
-    return (y + b.float().index_select(0, row_expert)).to(y.dtype)
+    return (y + ops.bias_rows(b, row_expert)).to(y.dtype)
 
 
 def _local_experts(mod: nn.Module, layout: _Layout, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -387,14 +387,23 @@ def unpad_groups(y: torch.Tensor, padded: PaddedGroups) -> torch.Tensor:
 
 def group_of_rows(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
     """``[rows]``: the group (local expert) of each row of an experts input. Inside
-    :func:`expert_rows` with padding the groups end before the rows do: a row past them counts as
-    the last group's (no group's GEMM reads it, and it is dropped)."""
+    :func:`expert_rows` with padding the groups end before the rows do: a row past them gets
+    ``G`` (no group: no GEMM reads or writes it, so its values are unspecified; see :func:`bias_rows`)."""
     local = torch.arange(tokens_per_expert.shape[0], device=tokens_per_expert.device)
     if fp8_ops.current().row_align == 1:  # the rows are exactly the groups' (output_size: no host read)
         return torch.repeat_interleave(local, tokens_per_expert, output_size=rows)
     ends = torch.cumsum(tokens_per_expert, 0)
-    group = torch.searchsorted(ends, torch.arange(rows, device=ends.device, dtype=ends.dtype), right=True)
-    return group.clamp(max=tokens_per_expert.shape[0] - 1)
+    return torch.searchsorted(ends, torch.arange(rows, device=ends.device, dtype=ends.dtype), right=True)
+
+
+def bias_rows(b: torch.Tensor, row_group: torch.Tensor) -> torch.Tensor:
+    """``b[row_group]`` in fp32 (``b[G, N]``: one bias per expert; ``row_group`` from
+    :func:`group_of_rows`). With padding, rows of no group get a zero row whose gradient is
+    dropped: the grouped GEMMs leave those rows unspecified, and the bias gradient (a sum over
+    each group's rows) must not read them."""
+    if fp8_ops.current().row_align == 1:
+        return b.float().index_select(0, row_group)
+    return torch.cat([b.float(), b.new_zeros(1, *b.shape[1:], dtype=torch.float32)]).index_select(0, row_group)
 
 
 def expert_rows(experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
