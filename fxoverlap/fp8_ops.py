@@ -23,7 +23,6 @@ eager PyTorch with the same FP8 math is ``with expert_math("fp8_rowwise"): model
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import importlib.util
 from collections.abc import Iterator
@@ -131,12 +130,14 @@ class ExpertMath:
     row_align: int = 1
 
 
-_MATH: contextvars.ContextVar[ExpertMath] = contextvars.ContextVar("fxoverlap_expert_math", default=ExpertMath())
+# A module global, not a ContextVar: Dynamo reads a global (and guards on it) when torch.compile
+# traces a model under expert_math (the bench's compile baseline).
+_current = ExpertMath()
 
 
 def current() -> ExpertMath:
     """The expert math in effect (default: the model's dtype, no padding)."""
-    return _MATH.get()
+    return _current
 
 
 @contextlib.contextmanager
@@ -151,11 +152,12 @@ def expert_math(dtype: str | None = None, row_align: int | None = None) -> Itera
         raise ConfigError(f"expert_math: row_align must be an int >= 1, got {row_align!r}")
     if dtype is not None and align % ROW_ALIGN:
         raise ConfigError(f"expert_math: FP8 experts need row_align a multiple of {ROW_ALIGN}, got {align}")
-    token = _MATH.set(ExpertMath(dtype, align))
+    global _current
+    saved, _current = _current, ExpertMath(dtype, align)
     try:
-        yield _MATH.get()
+        yield _current
     finally:
-        _MATH.reset(token)
+        _current = saved
 
 
 # ---------------------------------------------------------------- the ops

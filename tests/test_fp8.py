@@ -298,3 +298,25 @@ def test_config_value_front_ends_and_extra():
     setup = configparser.ConfigParser()
     setup.read(ROOT / "setup.cfg")
     assert setup["options.extras_require"]["fp8"].split() == ["torchao==0.18.0"]
+
+
+def test_bench_flag_and_speed_summary(tmp_path):
+    """The GPU run's plumbing on CPU: ``run --expert-math`` sets the config, and the fp8 subcommand's
+    summary reads the rows' JSON (as ``python -m fxoverlap.bench run`` writes them)."""
+    import json
+
+    from fxoverlap.bench.cli import parse_args
+    from fxoverlap.bench.gpu_fp8 import summarize
+
+    assert parse_args(["--tiny", "--expert-math", "fp8_rowwise"]).overlap.expert_dtype == "fp8_rowwise"
+    assert parse_args(["--tiny", "--expert-math", "torchao_fp8"]).overlap.expert_dtype is None
+    for name, scale in (("bf16", 2.0), ("fp8", 1.0)):
+        mode = {"T_compute_ms": 10 * scale, "step_ms": 12 * scale, "hidden_share": 0.5}
+        row = {"modes": {"compile": mode, "fxoverlap": mode},
+               "stage_timing": {"stage_ms": {"fwd_l0_experts": 3 * scale, "bwd_l0_experts": 4 * scale,
+                                             "bwd_l0_experts_wgrad": 1 * scale, "fwd_l0_attn": 5.0}}}
+        (tmp_path / f"fp8_speed_{name}.json").write_text(json.dumps(row))
+    s = summarize(str(tmp_path), 100.0)
+    assert s["rows"]["fp8"]["experts_stage_ms"] == {"fwd": 3.0, "bwd": 5.0, "total": 8.0}
+    assert s["ratios"]["experts_stage_fp8_over_bf16"] == 0.5
+    assert s["ratios"]["fxoverlap_step_ms_100GBps_fp8_over_bf16"] == 0.5
