@@ -15,7 +15,7 @@ from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.dispatch_ops import overflow_guard
 from fxoverlap.expert_parallel import explain_capture_error
-from fxoverlap.fp8_ops import check_expert_dtype, expert_math
+from fxoverlap.fp8_ops import check_expert_dtype, check_fp8_applied, expert_math
 from fxoverlap.grad_reduce import GradReduceConfigError, GradReduceError, GradReduction, check_groups
 from fxoverlap.ir.bucket import Bucket
 from fxoverlap.ir.stage import Stage, format_stage_table, render_rows as _render
@@ -109,6 +109,7 @@ class Engine:
             with expert_math(self.config.expert_dtype):  # the experts' GEMMs traced in that dtype
                 cap = capture(self.model, inputs, fn, self.config.layer_container, train=train,
                               explain=explain_capture_error)
+            check_fp8_applied(self.config.expert_dtype, cap.graph_module, type(self.model).__name__)
             # ep_group=None: the group the comm ops use (the key keeps the group the user passed)
             self.ep_group = self._inputs.adopt_group(cap)
             entry = CompiledModel.build(cap, self.config, self._device(), train)

@@ -227,3 +227,16 @@ def grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 
 GROUPED_MM_FP8_OP = torch.ops.fxoverlap.grouped_mm_fp8.default
 GROUPED_MM_FP8_WGRAD_OP = torch.ops.fxoverlap.grouped_mm_fp8_wgrad.default
+
+
+def check_fp8_applied(expert_dtype: str | None, gm: torch.fx.GraphModule, model: str) -> None:
+    """Raise :class:`Fp8ExpertError` when ``expert_dtype`` is set but the traced graph has no FP8
+    expert GEMM: the model's experts do not run through ``fxoverlap.ops.grouped_mm`` (torchtitan's
+    own grouped GEMM, a dense model), so the option would silently change nothing."""
+    if expert_dtype is None or any(n.target is GROUPED_MM_FP8_OP for n in gm.graph.nodes):
+        return
+    raise Fp8ExpertError(
+        f"OverlapConfig(expert_dtype={expert_dtype!r}): {model}'s traced step has no expert GEMM of fxoverlap's "
+        f"(fxoverlap.ops.grouped_mm), so nothing would run in FP8. It applies to the reference model "
+        f"(fxoverlap.models) and to transformers models after fxoverlap.expert_parallel(model, ep_group); "
+        f"torchtitan's experts call torch._grouped_mm themselves (not converted yet). Leave expert_dtype=None")

@@ -320,3 +320,11 @@ def test_bench_flag_and_speed_summary(tmp_path):
     assert s["rows"]["fp8"]["experts_stage_ms"] == {"fwd": 3.0, "bwd": 5.0, "total": 8.0}
     assert s["ratios"]["experts_stage_fp8_over_bf16"] == 0.5
     assert s["ratios"]["fxoverlap_step_ms_100GBps_fp8_over_bf16"] == 0.5
+
+
+def test_a_model_without_fxoverlap_expert_gemms_is_named(fp8_here):
+    """A model whose experts do not run through ops.grouped_mm: the option would change nothing."""
+    model = MoETransformer(MoEConfig.tiny(n_layers=1, layer_pattern=("dense",)), None).to(torch.bfloat16)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(expert_dtype="fp8_rowwise", progress=False))
+    with pytest.raises(fxoverlap.Fp8ExpertError, match="no expert GEMM of fxoverlap's"):
+        engine.forward_backward(token_batches(256, 1, (2, 16)))
