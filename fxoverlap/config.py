@@ -17,6 +17,8 @@ DEEPEP_DISPATCHERS = ("deepep", "hybridep")
 # The one list of dispatcher names (passes/dispatcher.py takes it from here).
 DISPATCHERS = ("auto", "all_to_all", "padded", "symm_mem", *DEEPEP_DISPATCHERS)
 GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
+# OverlapConfig.expert_dtype's values (fxoverlap/fp8_ops.py runs them)
+EXPERT_DTYPES = ("fp8_rowwise",)
 # OverlapConfig(chunks=None) on CUDA (docs/benchmarks.md, "Chunks", has the measurement behind it).
 DEFAULT_CUDA_CHUNKS = 2
 # OverlapConfig(delay_wgrad=None) on CUDA: measured 2-4 % faster steps with the weight gradients
@@ -240,6 +242,17 @@ class OverlapConfig:
             step, as ``free_early=False``): each leaves a correct program. The others
             (dispatcher, tag, rng, recompute, split, schedule, reduce, streams) make or guard
             the program; naming one, or an unknown name, raises ValueError listing the valid ones.
+        expert_dtype: the dtype of the experts' grouped GEMMs. ``None`` (default): the model's.
+            ``"fp8_rowwise"``: float8_e4m3fn with rowwise scales (torchao's recipe: each GEMM's
+            operands quantized along its contraction dim, power-of-two scales), through
+            ``torch._scaled_grouped_mm`` and torchao's quantization kernels (``fxoverlap/fp8_ops.py``);
+            parameters stay plain bf16/fp32 tensors, the weight gradient stays its own node (so
+            ``delay_wgrad`` still moves it), and each expert's row group is padded to 16 rows
+            without a host read. Needs a CUDA GPU of compute capability >= 8.9 and torchao
+            (``pip install 'fxoverlap[fp8]'``); elsewhere ``fxoverlap.optimize`` raises
+            ``Fp8Unavailable`` before tracing. The experts' K and N (hidden and intermediate sizes)
+            must be multiples of 16 (``Fp8ExpertError``). Applies to the experts that run through
+            ``fxoverlap.ops.grouped_mm`` (the reference model, ``fxoverlap.expert_parallel``).
     """
 
     compiler: Literal["inductor", "eager"] | None = _field(None, "stages")
@@ -283,6 +296,9 @@ class OverlapConfig:
     autotune: bool = _field(False, "front end", refused_by=dict.fromkeys(
         (BACKEND, PIPELINE), "tuning times whole steps of fxoverlap.optimize's engine; call fxoverlap.tune(model, "
                              "ep_group, microbatches) and pass the OverlapConfig it returns"))
+    expert_dtype: Literal["fp8_rowwise"] | None = _field(None, "capture", refused_by=dict.fromkeys(
+        (BACKEND, PIPELINE), "it traces the model's expert GEMMs itself before this option could choose them; "
+                             "use fxoverlap.optimize, or trace under fxoverlap.fp8_ops.expert_math('fp8_rowwise')"))
     max_programs: int = _field(8, "front end", refused_by={
         BACKEND: "Dynamo caches the backend's compiled graphs (torch._dynamo.config.recompile_limit bounds them)",
         PIPELINE: "each pipeline stage keeps the programs of its own schedule"})
@@ -329,6 +345,9 @@ class OverlapConfig:
                               "(off with shard_params)")
         if not isinstance(self.autotune, bool):
             raise ConfigError(f"OverlapConfig.autotune must be True or False, got {self.autotune!r}")
+        if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
+            raise ConfigError(f"OverlapConfig.expert_dtype must be one of {EXPERT_DTYPES} or None (the model's "
+                              f"dtype), got {self.expert_dtype!r}")
         if not self.reduce_bucket_mb >= 0:
             raise ConfigError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
 

@@ -15,6 +15,7 @@ from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.dispatch_ops import overflow_guard
 from fxoverlap.expert_parallel import explain_capture_error
+from fxoverlap.fp8_ops import check_expert_dtype, check_fp8_applied, expert_math
 from fxoverlap.grad_reduce import GradReduceConfigError, GradReduceError, GradReduction, check_groups
 from fxoverlap.ir.bucket import Bucket
 from fxoverlap.ir.stage import Stage, format_stage_table, render_rows as _render
@@ -32,6 +33,11 @@ from fxoverlap.runtime import (NamedTensors, ProgramRunner, StageHook, accumulat
 from fxoverlap.ir.program import program_of
 
 log = logging.getLogger("fxoverlap")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,9 @@ class Engine:
         self._inputs = InputChecks(model, ep_group, dp_group, expert_dp_group)  # groups, expert split
         refuse_unsupported(model)  # a DDP wrapper, a module backward hook: refused before any capture
         check_disable_passes(config.disable_passes)  # before any capture: the error comes first
+        # FP8 experts on a device that cannot run them: refused before any capture (and again at each
+        # capture, for a model moved since)
+        check_expert_dtype(config.expert_dtype, _device_of(model))
         self.model, self.ep_group, self.config = model, ep_group, config
         self._groups = {"ep": ep_group, "dp": dp_group, "expert_dp": expert_dp_group}
         groups = check_groups(ep_group, dp_group, expert_dp_group)
@@ -84,8 +93,7 @@ class Engine:
 
     # ---------------------------------------------------------------- building
     def _device(self) -> torch.device:
-        p = next(self.model.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
+        return _device_of(self.model)
 
     def _compiled(self, inputs: Sequence[torch.Tensor], fn: Callable | None, train: bool,
                   state: ModelState | None = None) -> CompiledModel:
@@ -102,8 +110,12 @@ class Engine:
                      key.role, input_signature(inputs), why)
             if (ddp := wrapped_by_ddp(self.model)) is not None:
                 raise ddp
-            cap = capture(self.model, inputs, fn, self.config.layer_container, train=train,
-                          explain=explain_capture_error, plain_params=None if self.sharding is None else self.sharding.program_shapes)
+            check_expert_dtype(self.config.expert_dtype, self._device())
+            with expert_math(self.config.expert_dtype):  # the experts' GEMMs traced in that dtype
+                cap = capture(self.model, inputs, fn, self.config.layer_container, train=train,
+                              explain=explain_capture_error,
+                              plain_params=None if self.sharding is None else self.sharding.program_shapes)
+            check_fp8_applied(self.config.expert_dtype, cap.graph_module, type(self.model).__name__)
             # ep_group=None: the group the comm ops use (the key keeps the group the user passed)
             self.ep_group = self._inputs.adopt_group(cap)
             entry = CompiledModel.build(cap, self.config, self._device(), train)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import re
 import traceback
@@ -144,8 +145,7 @@ class _ListLayout:
         self.ctx["offs"] = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
         self.ctx["row_expert"] = None
         if self.bias:
-            local = torch.arange(tokens_per_expert.shape[0], device=x.device)
-            self.ctx["row_expert"] = torch.repeat_interleave(local, tokens_per_expert, output_size=x.shape[0])
+            self.ctx["row_expert"] = ops.group_of_rows(tokens_per_expert, x.shape[0])
         try:
             return self.template(x)
         finally:
@@ -320,7 +320,7 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, of
         return y
     # Bias rows gathered in fp32: the same forward (one rounding of the exact sum), and the
     # backward sums each expert's rows (an index_add) in fp32 instead of in bf16.
-    return (y + b.float().index_select(0, row_expert)).to(y.dtype)
+    return (y + ops.bias_rows(b, row_expert)).to(y.dtype)
 
 
 def _local_experts(mod: nn.Module, layout: _Layout, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -328,9 +328,8 @@ def _local_experts(mod: nn.Module, layout: _Layout, x: torch.Tensor, tokens_per_
     offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
     row_expert = None
     if layout.bias:
-        # Local expert of each row; output_size keeps the row count the dispatch's (unbacked) one.
-        local = torch.arange(tokens_per_expert.shape[0], device=x.device)
-        row_expert = torch.repeat_interleave(local, tokens_per_expert, output_size=x.shape[0])
+        # Local expert of each row, with the dispatch's (unbacked) row count.
+        row_expert = ops.group_of_rows(tokens_per_expert, x.shape[0])
     up_b = getattr(mod, f"{layout.up}_bias") if layout.bias else None
     h = _grouped_linear(x, getattr(mod, layout.up), up_b, offs, row_expert, layout.transposed)
     # The module's own gate / activation: families differ here (interleaved gate/up, clamped GLU, ...).
@@ -372,7 +371,8 @@ def _expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, indices: tor
     counts = F.one_hot(flat, shard.num_experts).sum(0)
     routed = hidden.index_select(0, order // k)
     received, recv_counts = ops.dispatch(routed, counts, shard.group)
-    expert_out = self._fxoverlap_layout.run(self, received, recv_counts.sum(0))
+    # Each local expert's rows padded where the expert math asks (FP8: to 16 rows), dropped after.
+    expert_out = ops.expert_rows(functools.partial(self._fxoverlap_layout.run, self), received, recv_counts.sum(0))
     back = ops.combine(expert_out, recv_counts, counts, shard.group, n_tok * k)
     unsorted = torch.zeros_like(back).index_copy(0, order, back)
     # Weight in the routing weights' dtype (fp32 for some routers) and sum over k, as

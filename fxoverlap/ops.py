@@ -10,11 +10,13 @@ fake kernel returns an unbacked size, so one capture serves every routing outcom
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from fxoverlap import fp8_ops
 from fxoverlap.kernels import a2a, dedup, grouped_gemm
 from fxoverlap.ir.errors import FxOverlapError
 
@@ -344,8 +346,76 @@ _grouped_mm.register_autograd(_gmm_backward, setup_context=_gmm_setup)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``x[rows of group g] @ w[g]`` for each group; ``offs``: int32 cumulative row ends."""
+    """``x[rows of group g] @ w[g]`` for each group; ``offs``: int32 cumulative row ends. Under
+    ``fp8_ops.expert_math("fp8_rowwise")`` (``OverlapConfig.expert_dtype``) the FP8 rowwise op."""
+    if fp8_ops.current().dtype == "fp8_rowwise":
+        return fp8_ops.grouped_mm_fp8(x, w, offs)
     return _grouped_mm(x, w, offs)
+
+
+# ---------------------------------------------------------------- expert row groups padded
+
+
+class PaddedGroups(NamedTuple):
+    """What :func:`pad_groups` returns; :func:`unpad_groups` takes it back."""
+
+    x: torch.Tensor  # [R + G * (align - 1), D]: group g's rows from a multiple of align, zeros elsewhere
+    tokens_per_expert: torch.Tensor  # [G] each group's rows rounded up to align (cumsum: aligned offsets)
+    index: torch.Tensor  # [R] the padded row of each real row
+
+
+def pad_groups(x: torch.Tensor, tokens_per_expert: torch.Tensor, align: int) -> PaddedGroups:
+    """Rows of ``x`` (grouped by expert, ``tokens_per_expert[G]`` rows each) laid out so that each
+    group starts at a multiple of ``align`` rows. No host read: the padded row count is the bound
+    ``R + G * (align - 1)`` (the rows past the last group are zeros no group reads), and the rows
+    move by one scatter (a copy: the values are exact)."""
+    rows, groups = x.shape[0], tokens_per_expert.shape[0]
+    counts = tokens_per_expert.to(torch.int64)
+    padded = (counts + align - 1) // align * align
+    start = torch.cumsum(counts, 0) - counts
+    padded_start = torch.cumsum(padded, 0) - padded
+    group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts, output_size=rows)
+    index = torch.arange(rows, device=x.device) + (padded_start - start).index_select(0, group)
+    out = x.new_zeros(rows + groups * (align - 1), *x.shape[1:]).index_copy(0, index, x)
+    return PaddedGroups(out, padded.to(tokens_per_expert.dtype), index)
+
+
+def unpad_groups(y: torch.Tensor, padded: PaddedGroups) -> torch.Tensor:
+    """The real rows of ``y`` (laid out as ``padded.x``), in the order :func:`pad_groups` took them."""
+    return y.index_select(0, padded.index)
+
+
+def group_of_rows(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[rows]``: the group (local expert) of each row of an experts input. Inside
+    :func:`expert_rows` with padding the groups end before the rows do: a row past them gets
+    ``G`` (no group: no GEMM reads or writes it, so its values are unspecified; see :func:`bias_rows`)."""
+    local = torch.arange(tokens_per_expert.shape[0], device=tokens_per_expert.device)
+    if fp8_ops.current().row_align == 1:  # the rows are exactly the groups' (output_size: no host read)
+        return torch.repeat_interleave(local, tokens_per_expert, output_size=rows)
+    ends = torch.cumsum(tokens_per_expert, 0)
+    return torch.searchsorted(ends, torch.arange(rows, device=ends.device, dtype=ends.dtype), right=True)
+
+
+def bias_rows(b: torch.Tensor, row_group: torch.Tensor) -> torch.Tensor:
+    """``b[row_group]`` in fp32 (``b[G, N]``: one bias per expert; ``row_group`` from
+    :func:`group_of_rows`). With padding, rows of no group get a zero row whose gradient is
+    dropped: the grouped GEMMs leave those rows unspecified, and the bias gradient (a sum over
+    each group's rows) must not read them."""
+    if fp8_ops.current().row_align == 1:
+        return b.float().index_select(0, row_group)
+    return torch.cat([b.float(), b.new_zeros(1, *b.shape[1:], dtype=torch.float32)]).index_select(0, row_group)
+
+
+def expert_rows(experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                tokens_per_expert: torch.Tensor, row_align: int | None = None) -> torch.Tensor:
+    """``experts(x, tokens_per_expert)``, with each expert's rows padded to ``row_align`` (default:
+    the active ``fp8_ops.expert_math``'s, 16 under FP8) and the padding dropped from the result.
+    With an alignment of 1 it is the plain call (the graph is unchanged)."""
+    align = fp8_ops.current().row_align if row_align is None else row_align
+    if align == 1:
+        return experts(x, tokens_per_expert)
+    p = pad_groups(x, tokens_per_expert, align)
+    return unpad_groups(experts(p.x, p.tokens_per_expert), p)
 
 
 DISPATCH_OP = torch.ops.fxoverlap.dispatch.default

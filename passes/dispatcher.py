@@ -84,8 +84,8 @@ _LAYOUT_ARG = {"dispatch": 3, "combine": 1, "token_dispatch_backward": 4, "token
 _LAYOUT_OUTPUT = {"dispatch": 1, "token_dispatch": 4}
 _STATIC_TARGETS = set(STATIC_OPS.values())
 # Ops that may read values sized by the padded rows without being so sized themselves:
-# the comm ops, grouped_mm's weight gradient (it stops at the real rows), unpacking.
-_GROUP_AWARE = {_fx.grouped_mm_wgrad.default, *_STATIC_TARGETS, operator.getitem}
+# the comm ops, grouped_mm's weight gradient and its FP8 version (they stop at the real rows), unpacking.
+_GROUP_AWARE = {_fx.grouped_mm_wgrad.default, _fx.grouped_mm_fp8_wgrad.default, *_STATIC_TARGETS, operator.getitem}
 
 
 class DispatcherError(FxOverlapError, RuntimeError):

@@ -69,6 +69,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      help="runs of the stage-timed program for T_serial/T_bound (median per stage)")
     run.add_argument("--overlap-config", default="",
                      help="OverlapConfig fields, e.g. comm_stream_priority=0,delay_wgrad=1")
+    run.add_argument("--expert-math", choices=("model", "fp8_rowwise", "torchao_fp8"), default="model",
+                     help="the experts' GEMMs: the model's dtype; fp8_rowwise: fxoverlap's FP8 ops in every mode "
+                          "(OverlapConfig(expert_dtype='fp8_rowwise') for fxoverlap, fp8_ops.expert_math for eager "
+                          "and torch.compile); torchao_fp8: torchao's own fused FP8 grouped GEMM in eager and "
+                          "torch.compile (the baseline; not the fxoverlap or backend modes). python -m "
+                          "fxoverlap.bench fp8 runs the rows")
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
     run.add_argument("--nccl-high-priority", type=int, choices=(0, 1), default=1,
@@ -98,6 +104,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("need --iters >= 1, --warmup >= 0, --stage-reps >= 1")
     try:
         args.overlap = parse_overlap_config(args.overlap_config)
+        if args.expert_math == "fp8_rowwise":
+            args.overlap = dataclasses.replace(args.overlap, expert_dtype="fp8_rowwise")
         args.emulated_link = parse_link(args)
     except ValueError as e:
         p.error(str(e))

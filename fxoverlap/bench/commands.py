@@ -54,6 +54,9 @@ COMMANDS: dict[str, Command] = {
     "checks": Command("gpu_checks", "main", "GPU checks: bf16 numerics, memory, recompute, CSAN, row_sum, "
                       "symm_mem, activation checkpointing", "torchrun"),
     "cudagraph": Command("gpu_cudagraph", "main", "CUDA graphs against eager: numerics, time, teardown", "torchrun"),
+    "fp8": Command("gpu_fp8", "main", "FP8 rowwise experts (expert_dtype='fp8_rowwise'): kernels, numerics "
+                   "against eager-FP8 and bf16 (SQNR per experts stage), speed rows at the Qwen3-30B-A3B layer "
+                   "shape, the loss curve; one GPU SM89+, torchao 0.18.0", "python"),
     "chunks": Command("gpu_chunks", "main", "OverlapConfig(chunks=K) against chunks=1 and eager, one GPU", "python"),
     "rng": Command("gpu_rng", "main", "random ops draw what eager draws, one GPU", "python"),
     "dtensor": Command("gpu_dtensor", "main", "DTensor parameters and inputs through optimize", "torchrun"),

@@ -33,6 +33,7 @@ from fxoverlap.bench.probe import StageTimer, TimelineProbe
 from fxoverlap.bench.report import summary
 from fxoverlap.config import ConfigError
 from fxoverlap.kernels import emulated_link
+from fxoverlap import fp8_ops
 from fxoverlap.models.moe import MoETransformer
 from fxoverlap.engine import PlanView
 from fxoverlap.runtime import StageHook, accumulate_into, static_values
@@ -90,12 +91,22 @@ class Bench:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def expert_math(self):
+        """The experts' GEMMs of the eager and torch.compile modes (``--expert-math``; fxoverlap's
+        own modes take them from the OverlapConfig)."""
+        if self.args.expert_math == "torchao_fp8":
+            from fxoverlap.bench.gpu_fp8 import torchao_experts
+
+            return torchao_experts()
+        return fp8_ops.expert_math(None if self.args.expert_math == "model" else self.args.expert_math)
+
     def step_eager(self) -> list[torch.Tensor]:
         losses = []
-        for mb in self.mbs:
-            loss = self.model(*mb)
-            loss.backward()
-            losses.append(loss.detach())
+        with self.expert_math():
+            for mb in self.mbs:
+                loss = self.model(*mb)
+                loss.backward()
+                losses.append(loss.detach())
         return losses
 
     def step_fx(self) -> list[torch.Tensor]:
@@ -112,10 +123,11 @@ class Bench:
     def step_compile(self) -> list[torch.Tensor]:
         if self._compiled is None:
             self._compiled = torch.compile(self.model)
-        return self._loop(self._compiled)
+        with self.expert_math():  # Dynamo traces the experts' GEMMs under it (and guards on nothing of it)
+            return self._loop(self._compiled)
 
     def _forward_loop(self, fn) -> list[torch.Tensor]:
-        with torch.no_grad():
+        with torch.no_grad(), self.expert_math():
             return [fn(*mb).detach() for mb in self.mbs]
 
     def step_fwd_eager(self) -> list[torch.Tensor]:

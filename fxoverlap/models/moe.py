@@ -258,14 +258,14 @@ class MoE(nn.Module):
         counts = F.one_hot(flat, e).sum(0)
         routed = tokens.index_select(0, order // k)
         received, recv_counts = ops.dispatch(routed, counts, self.ep_group)
-        expert_out = self.experts(received, recv_counts.sum(0))
+        expert_out = ops.expert_rows(self.experts, received, recv_counts.sum(0))
         back = ops.combine(expert_out, recv_counts, counts, self.ep_group, n_tok * k)
         unsorted = torch.zeros_like(back).index_copy(0, order, back)
         return (unsorted.view(n_tok, k, -1) * weights.unsqueeze(-1)).sum(1)
 
     def _token_once(self, tokens, weights, idx):
         sent = ops.token_dispatch(tokens, idx, weights, self.cfg.n_experts, self.ep_group)
-        expert_out = self.experts(sent.x, sent.tokens_per_expert)
+        expert_out = ops.expert_rows(self.experts, sent.x, sent.tokens_per_expert)
         return ops.token_combine(expert_out * sent.weights.unsqueeze(-1), sent, self.ep_group)
 
     def _capacity(self, tokens, weights, idx):
@@ -282,7 +282,7 @@ class MoE(nn.Module):
         send = padded.index_select(0, assignment_of_slot[: e * cap])
         counts = torch.full((e,), cap, dtype=torch.long, device=tokens.device)
         received, recv_counts = ops.dispatch(send, counts, self.ep_group, static_rows=True)
-        expert_out = self.experts(received, recv_counts.sum(0))
+        expert_out = ops.expert_rows(self.experts, received, recv_counts.sum(0))
         back = ops.combine(expert_out, recv_counts, counts, self.ep_group, e * cap)
         per_assignment = torch.cat([back, back.new_zeros(1, back.shape[1])]).index_select(0, slot)
         return (per_assignment.view(n_tok, k, -1) * weights.unsqueeze(-1)).sum(1)

@@ -1,0 +1,350 @@
+"""FP8 rowwise experts on one GPU (SM89+, torchao 0.18.0): ``OverlapConfig(expert_dtype="fp8_rowwise")``.
+
+    python -m fxoverlap.bench fp8 --out $OUT/fp8.json [--parts kernels,numerics,speed,curve]
+
+The GPU machine reaches no registry: carry torchao's wheel (``pip download --no-deps torchao==0.18.0``)
+and ``pip install --no-deps`` it there first. Parts (each adds its key to the JSON at ``--out``):
+
+1. ``kernels``: the CUDA path (torchao's quantization kernels, ``torch._scaled_grouped_mm``) against
+   the reference math of ``kernels/fp8_gemm.py`` run on the CPU on the same data (forward, input
+   gradient, weight gradient; the quantized bytes), against torchao's own fused
+   ``_to_fp8_rowwise_then_scaled_grouped_mm``, and the weight gradient of empty groups (exact zeros:
+   chunks rely on it).
+2. ``numerics``: a small model, bf16: fxoverlap-FP8 (Inductor, the CUDA defaults: delay_wgrad,
+   chunks) against eager with the same FP8 ops (losses and every gradient <= 1e-3 relative), and per
+   experts stage (each MoE layer's experts on the inputs the model gave them, and at the
+   Qwen3-30B-A3B layer shape) FP8 against bf16: SQNR of the output >= 23 dB, input gradient >= 29,
+   weight gradients >= 21 (torchao's thresholds).
+3. ``speed``: the Qwen3-30B-A3B layer shape (dim 2048, 128 experts top-8, expert dim 768), emulated
+   EP 8, without a link and over 100 GB/s: ``python -m fxoverlap.bench run`` rows (one process
+   each) for bf16, FP8 and torchao's FP8 under torch.compile (the baseline): the experts stages'
+   time, the step with (fxoverlap) and without (torch.compile) overlap, FP8 against bf16.
+4. ``curve``: 200 AdamW steps of a small model through fxoverlap, bf16 and FP8: the last losses
+   within 1 % (a PNG beside the JSON when matplotlib is there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import glob
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+
+import fxoverlap
+from fxoverlap import fp8_ops, ops
+from fxoverlap.kernels import fp8_gemm
+from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.testing import eager_steps, take_grads, token_batches
+
+# Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts top-8, moe_intermediate_size 768); 16 heads of
+# 128 (the reference model ties the attention width to dim); vocab cut to 32768.
+QWEN3_30B = ["--dim", "2048", "--heads", "16", "--experts", "128", "--top-k", "8", "--expert-dim", "768",
+             "--vocab", "32768", "--layers", "2", "--seq", "4096", "--microbatches", "8"]
+THRESHOLDS = {"out": 23.0, "dx": 29.0, "dw": 21.0}  # dB, torchao's
+
+
+def sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.double(), got.double()
+    return float(20 * torch.log10(ref.norm() / (ref - got).norm().clamp_min(1e-30)))
+
+
+def rel(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.float(), got.float()
+    return float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+@contextlib.contextmanager
+def torchao_experts() -> Iterator[None]:
+    """The baseline: every ``ops.grouped_mm`` as torchao's fused FP8 rowwise grouped GEMM (its own
+    autograd Function), each group padded to 16 rows by ``ops.expert_rows`` as for ours. It takes
+    the weights [E, K, N] column-major: the reference model stores them row-major, so each call
+    copies them (torchtitan stores them transposed and pays no copy)."""
+    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as fused
+
+    def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        w_t = w if w.stride(-2) == 1 else w.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return fused(x, w_t, offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
+
+    saved = ops.grouped_mm
+    ops.grouped_mm = grouped_mm
+    try:
+        with fp8_ops.expert_math(None, row_align=fp8_ops.ROW_ALIGN):
+            yield
+    finally:
+        ops.grouped_mm = saved
+
+
+def _counts(rows: int, groups: int, seed: int = 0) -> torch.Tensor:
+    """Uneven group sizes (some empty), each a multiple of 16, summing to ``rows``."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(groups, generator=g) ** 2
+    w[torch.randperm(groups, generator=g)[: max(1, groups // 8)]] = 0
+    c = (w / w.sum() * rows / 16).floor().long() * 16
+    c[int(c.argmax())] += rows - int(c.sum())
+    return c
+
+
+# ---------------------------------------------------------------- 1. kernels
+
+
+def kernels(m: int = 4096, k: int = 2048, n: int = 1536, groups: int = 16) -> dict:
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    counts = _counts(m, groups)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    w = torch.randn(groups, k, n, dtype=torch.bfloat16) * 0.02
+    dy = torch.randn(m, n, dtype=torch.bfloat16)
+    out: dict = {"shape": {"m": m, "k": k, "n": n, "groups": groups}}
+    for name, fn, args in (("fwd", fp8_gemm.grouped_mm, (x, w, offs)),
+                           ("dgrad", fp8_gemm.grouped_mm, (dy, w.transpose(-1, -2), offs)),
+                           ("wgrad", fp8_gemm.grouped_mm_wgrad, (x, dy, offs))):
+        cpu = fn(*args)
+        gpu = fn(*(a.to(dev) for a in args)).cpu()
+        out[name] = {"rel_vs_reference": rel(cpu, gpu), "sqnr_vs_reference": sqnr(cpu, gpu)}
+    qc, sc = fp8_gemm.quantize_rows(x)
+    qg, sg = fp8_gemm.quantize_rows(x.to(dev))
+    out["quantize_rows_equal"] = bool(torch.equal(qc.view(torch.uint8), qg.cpu().view(torch.uint8))
+                                      and torch.equal(sc, sg.cpu()))
+    qc, sc = fp8_gemm.quantize_rhs(w)
+    qg, sg = fp8_gemm.quantize_rhs(w.to(dev))
+    out["quantize_rhs_equal"] = bool(torch.equal(qc.contiguous().view(torch.uint8),
+                                                 qg.cpu().contiguous().view(torch.uint8)) and torch.equal(sc, sg.cpu()))
+    xg, wg, og = x.to(dev), w.to(dev), offs.to(dev)
+    ours = fp8_ops.grouped_mm_fp8(xg, wg, og)
+    try:
+        with torchao_experts():
+            theirs = ops.grouped_mm(xg, wg, og)
+        out["vs_torchao_fused"] = {"equal": bool(torch.equal(ours, theirs)), "rel": rel(theirs, ours)}
+    except Exception as e:  # noqa: BLE001  (report and go on)
+        out["vs_torchao_fused"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    empty = torch.tensor([0, 1024, 1024, m - 2048], dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
+    dw = fp8_gemm.grouped_mm_wgrad(xg, dy.to(dev), empty)
+    out["wgrad_empty_groups_zero"] = bool((dw[0] == 0).all() and (dw[2] == 0).all())
+    return out
+
+
+# ---------------------------------------------------------------- 2. numerics
+
+
+def _experts_sqnr(experts: torch.nn.Module, x: torch.Tensor, counts: torch.Tensor, dy: torch.Tensor) -> dict:
+    """One experts stage's work, bf16 against FP8 on the same inputs: output, input and weight gradients."""
+    runs = []
+    for dtype in (None, "fp8_rowwise"):
+        e = copy.deepcopy(experts)
+        xi = x.detach().clone().requires_grad_()
+        with fp8_ops.expert_math(dtype):
+            y = ops.expert_rows(e, xi, counts)
+        y.backward(dy)
+        runs.append((y.detach(), xi.grad, {n: p.grad for n, p in e.named_parameters()}))
+    (y0, dx0, dw0), (y1, dx1, dw1) = runs
+    res = {"out": sqnr(y0, y1), "dx": sqnr(dx0, dx1), "dw": min(sqnr(dw0[n], dw1[n]) for n in dw0)}
+    res["ok"] = all(res[k] >= t for k, t in THRESHOLDS.items())
+    return res
+
+
+def numerics() -> dict:
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cfg = MoEConfig.tiny(n_layers=2, dim=512, n_heads=8, n_experts=8, top_k=2, expert_dim=256, vocab_size=1024)
+    base = MoETransformer(cfg, None).to(dev, torch.bfloat16)
+    mbs = [tuple(t.to(dev) for t in mb) for mb in token_batches(cfg.vocab_size, 4, (2, 256))]
+    out: dict = {"config": {"dim": cfg.dim, "experts": cfg.n_experts, "top_k": cfg.top_k, "expert_dim": cfg.expert_dim}}
+    # eager bf16, capturing each experts stage's inputs
+    seen: dict[int, tuple] = {}
+    ref16 = copy.deepcopy(base)
+    hooks = [layer.moe.experts.register_forward_hook(
+        lambda mod, args, res, i=i: seen.setdefault(i, (args[0].detach(), args[1].detach(), res.shape)))
+        for i, layer in enumerate(ref16.layers) if hasattr(layer, "moe")]
+    l16 = eager_steps(ref16, mbs)
+    g16 = take_grads(ref16)
+    for h in hooks:
+        h.remove()
+    ref8 = copy.deepcopy(base)
+    with fp8_ops.expert_math("fp8_rowwise"):
+        l8 = eager_steps(ref8, mbs)
+    g8 = take_grads(ref8)
+    fx = copy.deepcopy(base)
+    engine = fxoverlap.optimize(fx, None, fxoverlap.OverlapConfig(expert_dtype="fp8_rowwise", progress=False))
+    lfx = engine.forward_backward(mbs)
+    gfx = take_grads(fx)
+    out["stages"] = [s.name for s in engine.stages if "experts" in s.name]
+    engine.close()
+    loss_rel = max(abs(a.item() - b.item()) / abs(b.item()) for a, b in zip(lfx, l8))
+    grad_rel = {n: rel(g8[n], gfx[n]) for n in g8}
+    out["fxoverlap_vs_eager_fp8"] = {"loss_rel": loss_rel, "grad_rel_max": max(grad_rel.values()),
+                                     "worst": max(grad_rel, key=grad_rel.get),
+                                     "ok": loss_rel <= 1e-3 and max(grad_rel.values()) <= 1e-3}
+    out["fp8_vs_bf16_model"] = {
+        "loss_rel": max(abs(a.item() - b.item()) / abs(b.item()) for a, b in zip(l8, l16)),
+        "expert_weight_grad_sqnr": {n: sqnr(g16[n], gfx[n]) for n in g16 if ".experts." in n}}
+    # per experts stage: the layer's experts on the inputs the model gave them
+    per_stage = {}
+    for i, (x, counts, shape) in seen.items():
+        dy = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        per_stage[f"layer{i}"] = _experts_sqnr(base.layers[i].moe.experts, x, counts, dy)
+    # and at the Qwen3-30B-A3B layer shape, one EP-8 rank (16 local experts, 4096 rows)
+    from fxoverlap.models.moe import GroupedExperts
+
+    torch.manual_seed(1)
+    big = GroupedExperts(16, 2048, 768).to(dev, torch.bfloat16)
+    counts = _counts(4096, 16)
+    counts[int(counts.argmax())] -= 5
+    counts[int(counts.argmin())] += 5  # groups that are no multiple of 16: the padding runs
+    counts = counts.to(dev)
+    per_stage["qwen3_30b_layer"] = _experts_sqnr(big, torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16),
+                                                 counts, torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16))
+    out["per_experts_stage_sqnr_db"] = per_stage
+    out["thresholds_db"] = THRESHOLDS
+    return out
+
+
+# ---------------------------------------------------------------- 3. speed
+
+
+def speed(out_dir: str, budget_s: float, link_gbps: float, layers: int) -> dict:
+    from fxoverlap.bench.commands import self_command
+    from fxoverlap.bench.rows import Runner, Step
+
+    runner = Runner(out_dir, "fp8_speed", budget_s=budget_s, est_s=240.0, timeout_s=900.0)
+    shape = [*QWEN3_30B]
+    shape[shape.index("--layers") + 1] = str(layers)
+    common = [*shape, "--emulate-ep", "8", "--link-gbps", str(link_gbps), "--out", out_dir, "--no-trace",
+              "--no-timeline", "--no-grad-check"]
+    rows = {"bf16": ("model", "compile,fxoverlap", []), "fp8": ("fp8_rowwise", "compile,fxoverlap", []),
+            "torchao_fp8": ("torchao_fp8", "compile", ["--no-stage-timing"])}
+    for name, (math, modes, extra) in rows.items():
+        runner.run(Step(f"fp8_speed_{name}", self_command("run", *common, "--expert-math", math, "--modes", modes,
+                                                          "--name", f"fp8_speed_{name}", *extra)))
+    return summarize(out_dir, link_gbps) | {"failed": runner.failed}
+
+
+def _experts_ms(stage_ms: dict) -> dict:
+    fwd = sum(v for k, v in stage_ms.items() if "experts" in k and k.startswith("fwd"))
+    bwd = sum(v for k, v in stage_ms.items() if "experts" in k and k.startswith("bwd"))
+    return {"fwd": fwd, "bwd": bwd, "total": fwd + bwd}
+
+
+def summarize(out_dir: str, link_gbps: float) -> dict:
+    """Step and experts-stage times of the speed rows' JSON, FP8 against bf16."""
+    rows: dict = {}
+    for path in glob.glob(os.path.join(out_dir, "fp8_speed_*.json")):
+        name = os.path.basename(path)[len("fp8_speed_"):-len(".json")]
+        with open(path) as f:
+            r = json.load(f)
+        row = {}
+        for mode, m in r.get("modes", {}).items():
+            row[mode] = {"step_ms_no_link": m.get("T_compute_ms", m.get("step_ms")),
+                         f"step_ms_{link_gbps:g}GBps": m.get("step_ms"), "hidden_share": m.get("hidden_share")}
+        if "stage_timing" in r:
+            row["experts_stage_ms"] = _experts_ms(r["stage_timing"]["stage_ms"])
+        rows[name] = row
+    ratios = {}
+    for mode in ("compile", "fxoverlap"):
+        for key in ("step_ms_no_link", f"step_ms_{link_gbps:g}GBps"):
+            a, b = (rows.get(n, {}).get(mode, {}).get(key) for n in ("fp8", "bf16"))
+            if a and b:
+                ratios[f"{mode}_{key}_fp8_over_bf16"] = a / b
+    a, b = (rows.get(n, {}).get("experts_stage_ms", {}).get("total") for n in ("fp8", "bf16"))
+    if a and b:
+        ratios["experts_stage_fp8_over_bf16"] = a / b
+    for key in ("step_ms_no_link", f"step_ms_{link_gbps:g}GBps"):
+        ours, theirs = rows.get("fp8", {}).get("fxoverlap", {}).get(key), rows.get("torchao_fp8", {}).get(
+            "compile", {}).get(key)
+        if ours and theirs:
+            ratios[f"torchao_compile_over_fxoverlap_fp8_{key}"] = theirs / ours
+    return {"rows": rows, "ratios": ratios}
+
+
+# ---------------------------------------------------------------- 4. loss curve
+
+
+def curve(out_dir: str, steps: int) -> dict:
+    dev = torch.device("cuda")
+    cfg = MoEConfig.tiny(n_layers=4, dim=512, n_heads=8, n_experts=8, top_k=2, expert_dim=512, vocab_size=2048)
+    torch.manual_seed(0)
+    base = MoETransformer(cfg, None).to(dev, torch.bfloat16)
+    losses = {}
+    for name, dtype in (("bf16", None), ("fp8", "fp8_rowwise")):
+        m = copy.deepcopy(base)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        engine = fxoverlap.optimize(m, None, fxoverlap.OverlapConfig(expert_dtype=dtype, progress=False))
+        curve_ = []
+        for step in range(steps):
+            mbs = [tuple(t.to(dev) for t in mb) for mb in token_batches(cfg.vocab_size, 4, (4, 128), seed=step)]
+            curve_.append(sum(x.item() for x in engine.forward_backward(mbs)) / len(mbs))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        engine.close()
+        losses[name] = curve_
+    tail = max(1, steps // 20)
+    end = {k: sum(v[-tail:]) / tail for k, v in losses.items()}
+    res = {"steps": steps, "losses": losses, "final_mean_last": end,
+           "final_rel": abs(end["fp8"] - end["bf16"]) / end["bf16"]}
+    res["ok"] = res["final_rel"] <= 0.01
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for k, v in losses.items():
+            ax.plot(v, label=k)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (mean over microbatches)")
+        ax.set_title("fxoverlap: bf16 vs FP8 rowwise experts")
+        ax.legend()
+        png = os.path.join(out_dir, "fp8_loss_curve.png")
+        fig.savefig(png, dpi=120, bbox_inches="tight")
+        res["png"] = png
+    except ImportError:
+        pass
+    return res
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m fxoverlap.bench fp8", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench_out/fp8.json", help="the JSON written (its folder gets the rows' files)")
+    p.add_argument("--parts", default="kernels,numerics,speed,curve")
+    p.add_argument("--link-gbps", type=float, default=100.0)
+    p.add_argument("--layers", type=int, default=2, help="layers of the speed rows' model")
+    p.add_argument("--budget", type=float, default=0.0, help="seconds for the speed rows (0: no budget)")
+    p.add_argument("--steps", type=int, default=200, help="steps of the loss curve")
+    a = p.parse_args()
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    os.makedirs(out_dir, exist_ok=True)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    fp8_ops.check_expert_dtype("fp8_rowwise", device)  # Fp8Unavailable names what is missing
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import torchao
+
+        result["torchao"] = torchao.__version__
+    except ImportError:
+        pass
+    parts = {"kernels": kernels, "numerics": numerics, "speed": lambda: speed(out_dir, a.budget, a.link_gbps, a.layers),
+             "curve": lambda: curve(out_dir, a.steps)}
+    for name in filter(None, (s.strip() for s in a.parts.split(","))):
+        t0 = time.time()
+        try:
+            result[name] = parts[name]()
+        except Exception as e:  # noqa: BLE001  (report and go on to the next part)
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+        result.setdefault("seconds", {})[name] = round(time.time() - t0, 1)
+        print("FP8", name, json.dumps(result[name], default=str)[:2000], flush=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
