@@ -1,0 +1,187 @@
+"""Fully sharded parameters (ZeRO-3, ``OverlapConfig(shard_params=True)``).
+
+One 4-rank gloo spawn (EP 2 x DP 2, ``zero3_cases.everything``) serves the distributed tests:
+two optimizer steps against eager + manual reduction (with and without ``delay_wgrad``, chunks,
+user AC), the parameter memory per rank, a DCP checkpoint and resume, forward-only on the
+sharded model, and the named errors. The placement of the gather/drop nodes is also checked
+single-process, on a program built from a capture (the ``shard`` pass needs no process group).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fxoverlap
+import zero3_cases
+from fxoverlap.ir.program import program_of, reshard, unshard, wait_unshard
+from fxoverlap.models import MoEConfig, MoETransformer
+from fxoverlap.passes.capture import capture
+from fxoverlap.passes.reduce import parameter_roles
+from fxoverlap.passes.schedule import schedule
+from fxoverlap.passes.shard import ShardError, param_units, shard
+from fxoverlap.passes.split import split
+from fxoverlap.passes.tag import tag
+from fxoverlap.testing import run_distributed
+
+
+@functools.cache
+def _everything() -> dict:
+    ranks = run_distributed(zero3_cases.everything, world_size=4)
+    return ranks
+
+
+CASES = ["delay=False,chunks=1,ac=False", "delay=True,chunks=1,ac=False", "delay=False,chunks=2,ac=False",
+         "delay=True,chunks=1,ac=True"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_steps_equal_eager_with_manual_reduction(case):
+    """Expert gradients bitwise (they sum over 2 ranks), dense ones within 1e-6 * max|p| (the
+    reduce-scatter sums over 4 ranks in gloo's order), parameters after SGD the same."""
+    for rank, out in enumerate(_everything()):
+        row = out["train"][case]
+        assert row["types"] == ["DTensor"], (rank, row["types"])
+        for step, diff in enumerate(row["grad_diff"]):
+            assert diff["missing"] == [], (rank, step, diff)
+            assert diff["expert"] == 0.0, (rank, step, diff)
+            assert diff["dense"] <= 1e-6 * row["scale"], (rank, step, diff)
+        assert max(row["param_diff"]) <= 1e-6 * row["scale"], (rank, row["param_diff"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_gather_runs_ahead_of_its_reader_and_is_dropped_once(case):
+    row = _everything()[0]["train"][case]["placement"]
+    assert row["bad"] == []
+    # the program's first gather has nothing before it; every other one at least one stage
+    assert row["ahead"][0] == 0 and min(row["ahead"][1:]) >= 1, row["ahead"]
+    assert all(gathers == drops for gathers, drops in row["per_unit"].values()), row["per_unit"]
+    # 1F1B: a forward and a backward layer's units in use, and one gather ahead
+    assert 2 <= row["peak"] <= 5, row["peak"]
+
+
+def test_parameter_memory_per_rank():
+    """Between steps a rank holds P/n (dense over 4, experts over 2 ranks); in a step at most the
+    gathered units the program's bound allows; each drop frees its unit (nothing else holds it)."""
+    for rank, out in enumerate(_everything()):
+        m = out["memory"]
+        assert m["held"] == m["expected"] < m["full"] / 2, (rank, m)
+        assert m["largest_unit"] <= m["peak_gathered"] <= m["bound"], (rank, m)
+        assert m["kept_alive"] == [], (rank, m["kept_alive"])
+        assert m["gathers"] == m["drops"] > 0 and m["live_after"] == 0, (rank, m)
+
+
+def test_checkpoint_resume_and_forward_only():
+    for rank, out in enumerate(_everything()):
+        c = out["checkpoint"]
+        assert c["state_dict_types"] == ["DTensor"], (rank, c)
+        assert c["state_dict_vs_eager"] == 0.0, (rank, c)
+        assert c["resumed_bitwise"] and c["resumed_vs_eager"] == 0.0 == c["uninterrupted_vs_eager"], (rank, c)
+        assert c["expert_global_shape"][0] == 8, c  # every EP rank's experts: 4 local x EP 2
+        assert c["forward_only"] <= 1e-6 * c["eval_scale"], (rank, c)
+
+
+def test_errors_name_the_problem():
+    e = _everything()[0]["errors"]
+    assert e["no_dp_group"].startswith("GradReduceConfigError") and "dp_group" in e["no_dp_group"]
+    assert "fully_shard" in e["fully_shard"] and "layers.0" in e["fully_shard"]
+    assert e["not_divisible"].startswith("ShardError") and "odd [3] over 4 ranks" in e["not_divisible"]
+    assert e["optimizer_stepped_before"].startswith("ShardParamsError") and "SGD" in e["optimizer_stepped_before"]
+
+
+# ---------------------------------------------------------------- single process: the pass
+
+
+def _capture(ac: bool = False):
+    torch.manual_seed(0)
+    cfg = MoEConfig.tiny(shared_expert_dim=32, activation_checkpoint=ac)
+    model = MoETransformer(cfg)
+    cap = capture(model, (torch.randint(0, cfg.vocab_size, (2, 16)), torch.randint(0, cfg.vocab_size, (2, 16))))
+    return model, cap
+
+
+def _program(n: int = 3, static: bool = True):
+    _, cap = _capture()
+    gm = tag(cap)
+    stages = split(gm, cap.num_layers, static=frozenset(cap.static_placeholders) if static else None)
+    units = param_units(cap, {"dense": 2, "expert": 2})
+    return cap, stages, units, shard(schedule(stages, cap, n), stages, cap, units)
+
+
+def test_units_follow_layers_and_roles():
+    cap, _, units, _ = _program()
+    assert [u.name for u in units] == ["embed", "l0_dense", "l0_expert", "l1_dense", "l1_expert", "head"]
+    roles = parameter_roles(cap)
+    for u in units:
+        assert {roles[p.fqn] for p in u.params} == {u.role}
+        assert all(p.offset % 64 == 0 for p in u.params)
+    assert {p.fqn for u in units for p in u.params} == set(cap.param_placeholders.values())
+
+
+def test_roles_of_replayed_experts_under_activation_checkpointing():
+    """An experts op replayed in a recompute stage still reads expert weights: the roles (and
+    so the group each gradient reduces over) are those without AC."""
+    from fxoverlap.passes.recompute import recompute
+
+    _, cap = _capture(ac=True)
+    recompute(tag(cap), cap.num_layers)
+    roles = parameter_roles(cap)
+    assert {k for k, v in roles.items() if v == "expert"} == {
+        f"layers.{i}.moe.experts.w{j}" for i in (0, 1) for j in (1, 2, 3)}
+
+
+def test_no_stage_reads_a_value_made_of_a_parameter_from_another_stage():
+    cap, stages, _, _ = _program()
+    static = cap.static_placeholders
+    made = {o: s.name for s in stages for o in s.outputs}
+    for s in stages:
+        for node in s.graph_module.graph.find_nodes(op="placeholder"):
+            if node.name in made:
+                producer = next(st for st in stages if st.name == made[node.name])
+                src = next(n for n in producer.graph_module.graph.nodes if n.name == node.name)
+                assert not (src.op == "call_function" and all(
+                    i.op == "placeholder" and i.name in static for i in src.all_input_nodes)), (s.name, node.name)
+
+
+def test_placement_snapshot_invariants():
+    """Every reader of a unit's parameters runs between its wait and its drop; each gather is
+    issued at least one stage before its wait (the program's first excepted)."""
+    cap, _, units, program = _program()
+    placeholder = {fqn: ph for ph, fqn in cap.param_placeholders.items()}
+    ph_unit = {placeholder[p.fqn]: u.index for u in units for p in u.params}
+    gathered, issued, stages_since = set(), {}, 0
+    first = True
+    for node in program.graph.nodes:
+        if node.target is unshard:
+            assert node.args[0] not in issued and node.args[0] not in gathered
+            issued[node.args[0]] = stages_since
+        elif node.target is wait_unshard:
+            u = node.args[0]
+            assert stages_since - issued.pop(u) >= (0 if first else 1), node.name
+            first = False
+            gathered.add(u)
+        elif node.target is reshard:
+            gathered.remove(node.args[0])
+        elif node.op == "call_module":
+            stages_since += 1
+            step = node.meta["fxoverlap_step"]
+            needed = {ph_unit[v] for v in step.reads if v in ph_unit}
+            assert needed <= gathered, (node.name, needed - gathered)
+    assert not gathered and not issued
+    assert program_of(program).gathered_peak <= 5
+
+
+def test_param_units_refuse_undivisible_parameters():
+    _, cap = _capture()
+    with pytest.raises(ShardError, match=r"over 3 ranks"):
+        param_units(cap, {"dense": 3, "expert": 1})
+
+
+def test_config_refuses_cuda_graphs_and_front_ends():
+    with pytest.raises(fxoverlap.ConfigError, match="cuda_graphs"):
+        fxoverlap.OverlapConfig(shard_params=True, cuda_graphs=True)
+    from fxoverlap.config import refused_fields
+
+    assert "shard_params" in refused_fields(fxoverlap.OverlapConfig(shard_params=True), "backend")
