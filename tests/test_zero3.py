@@ -185,3 +185,14 @@ def test_config_refuses_cuda_graphs_and_front_ends():
     from fxoverlap.config import refused_fields
 
     assert "shard_params" in refused_fields(fxoverlap.OverlapConfig(shard_params=True), "backend")
+
+
+@pytest.mark.slow
+def test_hugging_face_qwen3_moe_matches_the_unsharded_reduction():
+    pytest.importorskip("transformers")
+    for rank, out in enumerate(run_distributed(zero3_cases.hugging_face, "qwen3_moe", world_size=4)):
+        assert out["missing"] == [], (rank, out["missing"])
+        assert out["zero3_losses"] == out["all_reduce_losses"], (rank, out)
+        assert out["diff"] <= 1e-6 * out["scale"], (rank, out["diff"], out["scale"])
+        roles = {role for _, role, _ in out["units"]}
+        assert roles == {"dense", "expert"}, out["units"]

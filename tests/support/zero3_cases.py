@@ -280,3 +280,30 @@ def program_lines(rank: int, world: int, n: int = 3, delay: bool = False) -> lis
         elif node.target in (unshard, wait_unshard, reshard):
             out.append(f"{node.target.__name__}({names[node.args[0]]})")
     return out
+
+
+def hugging_face(rank: int, world: int, family: str = "qwen3_moe") -> dict:
+    """A transformers model through expert_parallel: ZeRO-3's gradients against the unsharded
+    in-program reduction's (``grad_reduce="all_reduce"``, itself tested against eager), and the
+    units its parameters fall into."""
+    import copy
+
+    import hf_cases
+
+    ep, edp = groups()
+    full = hf_cases.build(family)
+    mbs = hf_cases.batches(rank, n=2)
+    out = {}
+    grads = {}
+    for name, cfg in (("all_reduce", fxoverlap.OverlapConfig()), ("zero3", fxoverlap.OverlapConfig(shard_params=True))):
+        model = fxoverlap.expert_parallel(copy.deepcopy(full), ep)
+        engine = fxoverlap.optimize(model, ep, cfg, dp_group=dist.group.WORLD, expert_dp_group=edp)
+        out[f"{name}_losses"] = [x.item() for x in engine.forward_backward(mbs, loss_fn=hf_cases.next_token_loss)]
+        grads[name] = _full_grads(model)
+        if name == "zero3":
+            out["units"] = [(u.name, u.role, len(u.params)) for u in program_of(engine.program).units]
+    ref, got = grads["all_reduce"], grads["zero3"]
+    out["missing"] = sorted(ref.keys() ^ got.keys())
+    out["diff"] = max((got[k] - ref[k]).abs().max().item() for k in ref.keys() & got.keys())
+    out["scale"] = max(g.abs().max().item() for g in ref.values())
+    return out
