@@ -240,7 +240,7 @@ class OverlapConfig:
             ``side_stages=False``), ``"cudagraph"`` (no CUDA graphs), ``"inductor"`` (compute
             stages op by op, as ``compiler="eager"``), ``"free"`` (values live to the end of the
             step, as ``free_early=False``): each leaves a correct program. The others
-            (dispatcher, tag, rng, recompute, split, schedule, reduce, streams) make or guard
+            (dispatcher, tag, rng, recompute, split, schedule, reduce, shard, streams) make or guard
             the program; naming one, or an unknown name, raises ValueError listing the valid ones.
         expert_dtype: the dtype of the experts' grouped GEMMs. ``None`` (default): the model's.
             ``"fp8_rowwise"``: float8_e4m3fn with rowwise scales (torchao's recipe: each GEMM's

@@ -206,6 +206,8 @@ class Engine:
         reduced = prog.spec.reduce_grads
         with overflow_guard(cap, self.model):
             sharding = self.sharding
+            if sharding is not None:
+                sharding.check_hooks(tensors.params)
             grads = accumulate_into(tensors, cap, post_hooks=not reduced, held=None if sharding is None else sharding.held,
                                     sharded=frozenset() if sharding is None else sharding.fqns)
             state = prog.run(static_values(cap, tensors), mbs, on_error=self._abort_group, grads=grads,

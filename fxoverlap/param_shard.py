@@ -187,6 +187,16 @@ class ParamSharding:
         return ranks.index(dist.get_rank())
 
     # ---------------------------------------------------------------- each run
+    def check_hooks(self, params: Mapping[str, torch.Tensor]) -> None:
+        """A tensor hook (``p.register_hook``) on a sharded parameter would never see its
+        gradient (the local one is summed aside and reduce-scattered): refused by name."""
+        for fqn in self.fqns:
+            if params[fqn]._backward_hooks:
+                raise ShardParamsError(
+                    f"fxoverlap: {fqn} has a tensor hook (p.register_hook), but with OverlapConfig(shard_params=True) "
+                    f"its gradient is reduce-scattered into the DTensor's .grad without passing through it; use "
+                    f"p.register_post_accumulate_grad_hook (runs on the reduced gradient) or remove the hook")
+
     def begin(self, params: Mapping[str, torch.Tensor] | None) -> None:
         """A run begins: its parameters by name (None: looked up on the model); no local
         gradient held."""

@@ -40,7 +40,7 @@ import torch.fx
 
 from fxoverlap.config import ConfigError, OverlapConfig
 from fxoverlap.ir.capture import Capture
-from fxoverlap.ir.meta import SAVED_COMM_KEY, STEP_KEY
+from fxoverlap.ir.meta import PROGRAM_KEY, SAVED_COMM_KEY, STEP_KEY
 from fxoverlap.ir.program import free as free_op
 from fxoverlap.ir.program import record_event, wait_event
 from fxoverlap.ir.stage import Stage, format_stage_table
@@ -400,5 +400,8 @@ def format_plan(program: torch.fx.GraphModule) -> str:
     frees = sum(1 for n in program.graph.nodes if n.target is free_op)
     from fxoverlap.ir.stage import render_rows
 
+    record = program.meta.get(PROGRAM_KEY)
+    units = (f", at most {record.gathered_peak} of {len(record.units)} parameter units gathered"
+             if record is not None and record.units else "")
     return (render_rows(rows) + f"\n\n{events} events recorded, {frees} frees, "
-            f"peak {peak} live values, {len(live)} live at the end")
+            f"peak {peak} live values, {len(live)} live at the end{units}")

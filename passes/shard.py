@@ -165,7 +165,7 @@ def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Captu
     prev_first, at = None, start
     for first, _, u, i in uses:
         if first is not prev_first and prev_first is not None:
-            # the uses that start at this reader gather under the last use that starts before it
+            # the uses that start at this reader gather under those that start at the previous one
             at = waits[next(x[2:] for x in uses if x[0] is prev_first)]
         ahead_of.setdefault(first, at)
         prev_first = first

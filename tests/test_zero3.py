@@ -28,21 +28,33 @@ from fxoverlap.testing import run_distributed
 
 
 @functools.cache
-def _everything() -> dict:
-    ranks = run_distributed(zero3_cases.everything, world_size=4)
-    return ranks
+def _everything() -> list[dict]:
+    return run_distributed(zero3_cases.everything, world_size=4)
 
 
-CASES = ["delay=False,chunks=1,ac=False", "delay=True,chunks=1,ac=False", "delay=False,chunks=2,ac=False",
-         "delay=True,chunks=1,ac=True"]
+@functools.cache
+def _slow_cases() -> list[dict]:
+    return run_distributed(zero3_cases.everything, zero3_cases.SLOW_TRAIN, False, world_size=4)
+
+
+def _name(case: tuple) -> str:
+    return "delay={},chunks={},ac={}".format(*case)
+
+
+CASES = [_name(c) for c in zero3_cases.DEFAULT_TRAIN] + [
+    pytest.param(_name(c), marks=pytest.mark.slow) for c in zero3_cases.SLOW_TRAIN]
+
+
+def _train(case: str) -> list[dict]:
+    ranks = _everything() if case in _everything()[0]["train"] else _slow_cases()
+    return [out["train"][case] for out in ranks]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_two_steps_equal_eager_with_manual_reduction(case):
     """Expert gradients bitwise (they sum over 2 ranks), dense ones within 1e-6 * max|p| (the
     reduce-scatter sums over 4 ranks in gloo's order), parameters after SGD the same."""
-    for rank, out in enumerate(_everything()):
-        row = out["train"][case]
+    for rank, row in enumerate(_train(case)):
         assert row["types"] == ["DTensor"], (rank, row["types"])
         for step, diff in enumerate(row["grad_diff"]):
             assert diff["missing"] == [], (rank, step, diff)
@@ -53,7 +65,7 @@ def test_two_steps_equal_eager_with_manual_reduction(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_gather_runs_ahead_of_its_reader_and_is_dropped_once(case):
-    row = _everything()[0]["train"][case]["placement"]
+    row = _train(case)[0]["placement"]
     assert row["bad"] == []
     # the program's first gather has nothing before it; every other one at least one stage
     assert row["ahead"][0] == 0 and min(row["ahead"][1:]) >= 1, row["ahead"]
@@ -81,6 +93,13 @@ def test_checkpoint_resume_and_forward_only():
         assert c["resumed_bitwise"] and c["resumed_vs_eager"] == 0.0 == c["uninterrupted_vs_eager"], (rank, c)
         assert c["expert_global_shape"][0] == 8, c  # every EP rank's experts: 4 local x EP 2
         assert c["forward_only"] <= 1e-6 * c["eval_scale"], (rank, c)
+
+
+def test_accumulation_over_calls_and_hooks():
+    for rank, out in enumerate(_everything()):
+        a = out["accumulation"]
+        assert a["diff"] <= 1e-6 * a["scale"], (rank, a)
+        assert a["hook"] is not None and a["hook"].startswith("ShardParamsError") and "register_hook" in a["hook"], a
 
 
 def test_errors_name_the_problem():
@@ -171,6 +190,9 @@ def test_placement_snapshot_invariants():
             assert needed <= gathered, (node.name, needed - gathered)
     assert not gathered and not issued
     assert program_of(program).gathered_peak <= 5
+    from fxoverlap.passes.manager import format_plan
+
+    assert format_plan(program).endswith(f"at most {program_of(program).gathered_peak} of 6 parameter units gathered")
 
 
 def test_param_units_refuse_undivisible_parameters():

@@ -1,7 +1,7 @@
 """The program's vocabulary: what its nodes do, and the dataflow record each one carries.
 
 A program is an FX graph emitted by ``passes/schedule.py`` and finished by
-``reduce`` (with data parallelism), ``streams`` and ``free``. Its nodes, in order, are:
+``reduce`` (with data parallelism), ``shard`` (with sharded parameters), ``streams`` and ``free``. Its nodes, in order, are:
 
 * stage calls: ``call_module`` on a :class:`StageCall` placeholder (``self.fwd_l0_attn(mb)``);
 * ``call_function`` on the markers below: the runtime (``fxoverlap.runtime``) has
