@@ -22,7 +22,7 @@ from fxoverlap.ir.stage import Stage, format_stage_table, render_rows as _render
 from fxoverlap.compiled_program import CompiledModel, CompiledProgram, ProgramSpec, compile_program
 from fxoverlap.inputs import (  # noqa: F401  (the errors and check_group: re-exported, public here before)
     InputChecks, InputError, Microbatch, MicrobatchError, MicrobatchMismatch, check_group)
-from fxoverlap.param_shard import ParamSharding, check_shardable
+from fxoverlap.param_shard import ParamSharding, check_shardable, tied_names
 from fxoverlap.passes.capture import Capture, capture, input_signature
 from fxoverlap.passes.shard import param_units
 from fxoverlap.pipeline import check_disable_passes
@@ -123,7 +123,7 @@ class Engine:
             if self.sharding is not None and self.sharding.units is None:
                 # the first capture fixes the units and shards the model: its parameters are DTensors
                 # from now on, which is what the next call's key sees
-                self.sharding.adopt(param_units(cap, self.sharding.ranks), self.model)
+                self.sharding.adopt(param_units(cap, self.sharding.ranks, tied_names(self.model)), self.model)
                 self.cache.put(program_key(self.model, inputs, getattr(inputs, "keywords", ()), fn,
                                            key.role, self.config, self._groups), entry)
         return entry

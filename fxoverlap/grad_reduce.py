@@ -305,6 +305,9 @@ class BucketReducer:
         # the average added into it by finish(), put back by abandon()
         self._before: dict[str, torch.Tensor] = {}
         self._running: set[int] = set()  # buckets of the run in progress not finished yet
+        # ids of the parameters whose .grad this run's finish has set (a tied weight has a
+        # slot per name, one tensor: the second slot's average adds to the first's)
+        self._given: set[int] = set()
 
     def begin(self, params: Mapping[str, nn.Parameter] | None = None) -> None:
         """A run begins (``ProgramRunner.start``): set aside what ``p.grad`` holds, so that the
@@ -326,6 +329,7 @@ class BucketReducer:
         if params is None:
             params = dict(self.model.named_parameters(remove_duplicate=False))
         self.params = {v: params[fqn] for v, fqn in self.fqns.items()}
+        self._given.clear()
         for b in self.buckets:
             if self._whole(b):
                 for s in b.slots:
@@ -430,11 +434,15 @@ class BucketReducer:
         if self._whole(b):
             for s in b.slots:
                 avg = out[s.offset:s.offset + s.numel].view(s.shape)
+                p = self.params[s.value]
                 before = self._before.pop(s.value, None)
-                if before is None:
-                    self.params[s.value].grad = avg  # a view: the flat buffer lives on as p.grad
+                if id(p) in self._given:  # a tied weight's other name: its gradient adds to the first's
+                    p.grad = p.grad + avg
+                elif before is None:
+                    p.grad = avg  # a view: the flat buffer lives on as p.grad
                 else:  # accumulation: into what p.grad held (the flat buffer is freed after this)
-                    self.params[s.value].grad = before.add_(avg)
+                    p.grad = before.add_(avg)
+                self._given.add(id(p))
             return
         for s in b.slots:
             self.params[s.value].grad = None  # ZeRO-2: the full local gradient is not kept

@@ -103,7 +103,8 @@ class ParamSharding:
         self._model = model
         self._make_groups(model)
         replaced = self._shard_model(model, units)
-        self.units, self.fqns = units, frozenset(p.fqn for u in units for p in u.params)
+        # every name of a sharded parameter (a tied one's gradient arrives under each of its names)
+        self.units, self.fqns = units, frozenset(name for u in units for p in u.params for name in p.names)
         log.info("fxoverlap: sharded %d parameters into %d units in %.2f s (%s)", len(self.fqns), len(units),
                  time.perf_counter() - t0, ", ".join(u.name for u in units))
         _retarget_optimizers(replaced)
@@ -155,7 +156,8 @@ class ParamSharding:
             for name, p in mod._parameters.items():
                 if p is not None:
                     holders.setdefault(id(p), []).append((mod, name))
-        params = dict(model.named_parameters())
+        # every name (the capture names a tied parameter by its last one, as AOTAutograd lists them)
+        params = dict(model.named_parameters(remove_duplicate=False))
         replaced = {}
         for unit in units:
             rank = self._rank(unit.role)
@@ -200,7 +202,7 @@ class ParamSharding:
     def begin(self, params: Mapping[str, torch.Tensor] | None) -> None:
         """A run begins: its parameters by name (None: looked up on the model); no local
         gradient held."""
-        self._params = params if params is not None else dict(self._model.named_parameters())
+        self._params = params if params is not None else dict(self._model.named_parameters(remove_duplicate=False))
         self._pending.clear()
         self.held.clear()
         self.live_bytes = self.peak_bytes = 0
@@ -262,6 +264,19 @@ class ParamSharding:
             t = p._local_tensor if isinstance(p, DTensor) else p
             total += t.numel() * t.element_size()
         return total
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Each name of a parameter the model holds under several (tied weights) -> its first name
+    (``model.named_parameters()``'s)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
 
 
 def check_shardable(model: nn.Module, groups: ReduceGroups | None) -> ReduceGroups:

@@ -352,7 +352,8 @@ class ProgramRunner:
         # ZeRO-3: each unit's parameters by placeholder name (the stores hold them during its uses only)
         placeholder = {fqn: ph for ph, fqn in self.capture.param_placeholders.items()}
         units = program_ops.program_of(self.program).units
-        self._unit_names = [[(p.fqn, placeholder[p.fqn]) for p in u.params] for u in units]
+        # (a tied parameter: each of its names' placeholders gets the one gathered tensor)
+        self._unit_names = [[(p.fqn, placeholder[name]) for p in u.params for name in p.names] for u in units]
         self._sharded = frozenset(ph for names in self._unit_names for _, ph in names)
         self.weight_start = self._weight_start()
         # the named parts of the program, for execute and turns (fixed once the nodes are bound)

@@ -182,7 +182,7 @@ def _plain_stand_ins(model: nn.Module, shapes: Mapping[str, torch.Size] | None, 
     """Put a plain fake tensor of the given shape (in ``fake_mode``: no memory) in each named
     parameter's place, under every name it is held by; ``_restore_state`` puts them back."""
     if shapes:
-        named = dict(model.named_parameters())
+        named = dict(model.named_parameters(remove_duplicate=False))  # a tied one: by any of its names
         stand_in = {}
         for name, shape in shapes.items():
             p = named[name]

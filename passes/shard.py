@@ -78,11 +78,23 @@ def _unit_name(layers: tuple[int, ...], role: str, num_layers: int) -> str:
                                                 "" if all(x < 0 or x >= num_layers for x in layers) else "_dense")
 
 
-def param_units(capture: Capture, ranks: Mapping[str, int]) -> tuple[ParamUnit, ...]:
+def param_units(capture: Capture, ranks: Mapping[str, int],
+                tied: Mapping[str, str] | None = None) -> tuple[ParamUnit, ...]:
     """The units of the capture's parameters; ``ranks``: the group size per role
-    (``"dense"``, ``"expert"``). Raises :class:`ShardError` for a parameter whose first
+    (``"dense"``, ``"expert"``); ``tied``: name -> first name of the same tensor, for a
+    parameter the model holds under several names (tied embed/head weights): the capture
+    lifts each name as a placeholder of its own, but the tensor is one parameter of one unit,
+    read by the readers of every name. Raises :class:`ShardError` for a parameter whose first
     dimension the group size does not divide (or a 0-dim parameter)."""
     readers, roles = parameter_readers(capture), parameter_roles(capture)
+    aliases: dict[str, list[str]] = {}
+    for name, first in (tied or {}).items():
+        if name in readers and first in readers and name != first:
+            readers[first] = readers[first] | readers.pop(name)
+            # the role of the tensor: expert only where every name is read by experts stages alone
+            if roles[name] != roles[first]:
+                roles[first] = "dense"
+            aliases.setdefault(first, []).append(name)
     meta = {}
     for ph in capture.graph_module.graph.find_nodes(op="placeholder"):
         if (fqn := capture.param_placeholders.get(ph.name)) is not None:
@@ -114,7 +126,7 @@ def param_units(capture: Capture, ranks: Mapping[str, int]) -> tuple[ParamUnit, 
         params, offset = [], 0
         for fqn in groups[key]:
             shape = meta[fqn][0]
-            params.append(UnitParam(fqn, shape, offset))
+            params.append(UnitParam(fqn, shape, offset, tuple(aliases.get(fqn, ()))))
             offset = -(-(offset + math.prod(shape) // n) // ALIGN) * ALIGN
         units.append(ParamUnit(len(units), _unit_name(layers, role, capture.num_layers), role, dtype, n,
                                tuple(params)))
@@ -129,9 +141,10 @@ def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Captu
     unit_of: dict[str, int] = {}  # placeholder -> unit
     for u in units:
         for p in u.params:
-            if p.fqn not in placeholder:
-                raise InternalError(f"shard: unit {u.name}'s parameter {p.fqn} is not one of this capture's")
-            unit_of[placeholder[p.fqn]] = u.index
+            for name in p.names:
+                if name not in placeholder:
+                    raise InternalError(f"shard: unit {u.name}'s parameter {name} is not one of this capture's")
+                unit_of[placeholder[name]] = u.index
     order = {n: i for i, n in enumerate(graph.nodes)}
 
     # 1.-2. the uses of each unit: spans of readers per (microbatch, direction), merged

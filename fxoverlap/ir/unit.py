@@ -23,11 +23,19 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class UnitParam:
     """One parameter of a unit: its name, full shape, and where its shard starts in the
-    rank's flat shard buffer (elements)."""
+    rank's flat shard buffer (elements). ``aliases``: the other names the program reads the
+    same tensor by (tied weights: the capture lifts one placeholder per module slot), each
+    given the gathered tensor and each with a gradient of its own, summed by the reduction."""
 
     fqn: str
     shape: tuple[int, ...]
     offset: int
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name of the parameter: its own, then its aliases."""
+        return (self.fqn, *self.aliases)
 
 
 @dataclasses.dataclass(frozen=True)
