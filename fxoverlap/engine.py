@@ -301,6 +301,21 @@ class Engine:
         """The program of the last call (``forward_backward`` or ``engine(*inputs)``)."""
         return None if self._last is None else self._last[1].program
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the model's gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``
+        does on one process: every rank gets the same total norm, each gradient counted once
+        (dense ones replicated over ``dp_group``, every EP rank's experts summed). Works where
+        torch's does not: ZeRO-3's DTensor gradients on two meshes, and expert gradients that
+        differ between EP ranks. Returns the total norm."""
+        from fxoverlap.param_shard import clip_grad_norm_
+
+        experts = ()
+        if self._last is not None:
+            names = {s.param for b in program_of(self._last[1].program).buckets if b.role == "expert"
+                     for s in b.slots}
+            experts = [p for n, p in self.model.named_parameters(remove_duplicate=False) if n in names]
+        return clip_grad_norm_(self.model.parameters(), max_norm, norm_type, experts, self.ep_group)
+
     @property
     def stages(self) -> list[Stage]:
         """The stages of the last call (``forward_backward`` or ``engine(*inputs)``), in plain order."""

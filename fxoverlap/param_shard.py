@@ -266,6 +266,51 @@ class ParamSharding:
         return total
 
 
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                    expert_params=(), ep_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on several meshes
+    (ZeRO-3: dense ones over ``dp_group``'s mesh, expert ones over the ("ep", "edp") mesh), which
+    torch's refuses (it stacks the per-mesh norms: "All operands in aten.stack.default must have
+    the same mesh"): each mesh's norm is reduced over that mesh, then the norms are combined;
+    returns the total norm (a plain tensor, the same on every rank) and scales every gradient by
+    ``min(1, max_norm / (total + 1e-6))`` as torch does.
+
+    Plain gradients count as replicated, except those of ``expert_params`` (a role not sharded:
+    each EP rank holds other experts), whose norms are combined over ``ep_group``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    experts = {id(p) for p in expert_params}
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in {id(p): p for p in parameters}.values():  # a tied parameter once
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else ("ep" if id(p) in experts else None)
+            groups.setdefault(key, []).append(p.grad)
+    if not groups:
+        return torch.tensor(0.0)
+    norms = []
+    for key, grads in groups.items():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        elif key == "ep" and ep_group is not None and dist.get_world_size(ep_group) > 1:
+            inf = math.isinf(norm_type)
+            norm = norm.clone() if inf else norm.pow(norm_type)
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=ep_group)
+            norm = norm if inf else norm.pow(1.0 / norm_type)
+        norms.append(norm)
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for key, grads in groups.items():
+        c = coef.to(grads[0].device)
+        if isinstance(key, str) or key is None:
+            torch._foreach_mul_(grads, c)
+        else:  # a DTensor gradient is scaled by a replicated DTensor of its mesh
+            c = DTensor.from_local(c, key, [Replicate()] * key.ndim, run_check=False)
+            for g in grads:
+                g.mul_(c)
+    return total
+
+
 def tied_names(model: nn.Module) -> dict[str, str]:
     """Each name of a parameter the model holds under several (tied weights) -> its first name
     (``model.named_parameters()``'s)."""
