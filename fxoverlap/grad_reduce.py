@@ -409,6 +409,8 @@ class BucketReducer:
             k = s.numel // n
             h = held.pop(s.param, None)
             total = g if h is None else torch.add(h, g)
+            if h is not None and h.is_cuda:  # made on the compute stream, read here: keep its block until then
+                h.record_stream(torch.cuda.current_stream(h.device))
             flat[:, at:at + k].copy_(total.reshape(n, k))
             at += k
         out = flat.new_empty(width)

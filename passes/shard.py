@@ -61,7 +61,7 @@ from fxoverlap.ir import program as program_ops
 from fxoverlap.ir.capture import Capture
 from fxoverlap.ir.errors import FxOverlapError, InternalError
 from fxoverlap.ir.program import program_of, stage_calls
-from fxoverlap.ir.stage import Direction, Stage
+from fxoverlap.ir.stage import Direction, Stage, StreamKind
 from fxoverlap.ir.unit import ParamUnit, UnitParam
 from fxoverlap.passes.reduce import ALIGN, parameter_readers, parameter_roles
 
@@ -151,7 +151,12 @@ def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Captu
     spans: dict[tuple[int, int, Direction], list[torch.fx.Node]] = {}
     for node, step in stage_calls(program):
         stage = by_name[step.stage]
-        for u in {unit_of[v] for v in step.reads if v in unit_of}:
+        units_read = {unit_of[v] for v in step.reads if v in unit_of}
+        if units_read and stage.stream is not StreamKind.COMP:
+            # the gathered tensors are dropped in the compute stream's order (reshard): a reader on
+            # another stream could see its memory reused under it
+            raise InternalError(f"shard: stage {stage.name} on the {stage.stream} stream reads sharded parameters")
+        for u in units_read:
             span = spans.setdefault((u, step.microbatch, stage.direction), [node, node])
             span[1] = node
     per_unit: dict[int, list[list[torch.fx.Node]]] = {}
