@@ -24,6 +24,7 @@ from fxoverlap.inputs import (  # noqa: F401  (the errors and check_group: re-ex
     InputChecks, InputError, Microbatch, MicrobatchError, MicrobatchMismatch, check_group)
 from fxoverlap.param_shard import ParamSharding, check_shardable, tied_names
 from fxoverlap.passes.capture import Capture, capture, input_signature
+from fxoverlap.passes.reduce import parameter_roles
 from fxoverlap.passes.shard import param_units
 from fxoverlap.pipeline import check_disable_passes
 from fxoverlap.program_key import (ModelState, ProgramCache, ProgramKey, model_state, program_key, refuse_unsupported,
@@ -123,7 +124,8 @@ class Engine:
             if self.sharding is not None and self.sharding.units is None:
                 # the first capture fixes the units and shards the model: its parameters are DTensors
                 # from now on, which is what the next call's key sees
-                self.sharding.adopt(param_units(cap, self.sharding.ranks, tied_names(self.model)), self.model)
+                experts = [fqn for fqn, role in parameter_roles(cap).items() if role == "expert"]
+                self.sharding.adopt(param_units(cap, self.sharding.ranks, tied_names(self.model)), self.model, experts)
                 self.cache.put(program_key(self.model, inputs, getattr(inputs, "keywords", ()), fn,
                                            key.role, self.config, self._groups), entry)
         return entry
@@ -209,7 +211,7 @@ class Engine:
             if sharding is not None:
                 sharding.check_hooks(tensors.params)
             grads = accumulate_into(tensors, cap, post_hooks=not reduced, held=None if sharding is None else sharding.held,
-                                    sharded=frozenset() if sharding is None else sharding.fqns)
+                                    sharded=frozenset() if sharding is None else sharding.fqns | sharding.local_only)
             state = prog.run(static_values(cap, tensors), mbs, on_error=self._abort_group, grads=grads,
                              params=tensors.params)
         if reduced:  # with data parallelism the hooks see the reduced gradient, once, when it is final

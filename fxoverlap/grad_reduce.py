@@ -342,11 +342,13 @@ class BucketReducer:
     def _whole(self, b: Bucket) -> bool:
         """Whether bucket ``b``'s result is the whole averaged gradient in ``p.grad`` (all-reduce;
         with sharded parameters, a role whose group is this rank alone), not a rank's shard."""
-        return self.owner.mode == "all_reduce" or (
-            self.owner.mode == "shard_params" and not self.owner.sharding.sharded(b.role))
+        return self.owner.mode == "all_reduce" or (self.owner.mode == "shard_params" and not self._sharded(b))
 
     def _sharded(self, b: Bucket) -> bool:
-        return self.owner.mode == "shard_params" and self.owner.sharding.sharded(b.role)
+        """ZeRO-3: bucket ``b``'s parameters are DTensors (sharded, or experts read in place)."""
+        sharding = self.owner.sharding
+        return self.owner.mode == "shard_params" and (
+            sharding.sharded(b.role) or (b.role == "expert" and bool(sharding.local_only)))
 
     def abandon(self) -> None:
         """The run failed: drop its partial local gradients and put back what :meth:`begin`
@@ -413,6 +415,8 @@ class BucketReducer:
                 h.record_stream(torch.cuda.current_stream(h.device))
             flat[:, at:at + k].copy_(total.reshape(n, k))
             at += k
+        if n == 1:  # experts no other rank holds: nothing to reduce, only the division follows
+            return self._issued(index, Pending(b, None, flat, flat.view(-1)))
         out = flat.new_empty(width)
         work = reduce_scatter_single(out, flat.view(-1), group=group, async_op=True)
         return self._issued(index, Pending(b, work, flat, out))

@@ -29,7 +29,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,7 @@ class ParamSharding:
         # the sharded parameters' shapes as the program reads them (an expert DTensor's global
         # shape counts every EP rank's experts; the program reads this rank's)
         self.program_shapes: dict[str, torch.Size] = {}
+        self.local_only: frozenset[str] = frozenset()  # DTensors over EP alone: read in place, not gathered
         self.units: tuple[ParamUnit, ...] | None = None
         self.fqns: frozenset[str] = frozenset()  # the sharded parameters
         self.held: dict[str, torch.Tensor] = {}  # this run's local gradients of sharded parameters
@@ -94,15 +95,21 @@ class ParamSharding:
         return self.ranks[role] > 1
 
     # ---------------------------------------------------------------- once
-    def adopt(self, units: tuple[ParamUnit, ...], model: nn.Module) -> None:
+    def adopt(self, units: tuple[ParamUnit, ...], model: nn.Module, experts: Sequence[str] = ()) -> None:
         """At the first capture: take the units (``passes/shard.py``'s ``param_units``) and shard
-        the model (every rank of the groups calls it: it creates communicators)."""
+        the model (every rank of the groups calls it: it creates communicators). ``experts``: the
+        expert parameters (by name); where their role is not sharded (no other rank holds these
+        experts) and EP has several ranks, they become DTensors over the EP mesh all the same,
+        read in place by the program (:attr:`local_only`): one parameter type for the optimizer's
+        ``foreach`` kernels, and checkpoints that keep each EP rank's experts apart."""
         if self.units is not None:
             return
         t0 = time.perf_counter()
         self._model = model
         self._make_groups(model)
         replaced = self._shard_model(model, units)
+        if not self.sharded("expert") and "expert" in self._meshes:
+            replaced.update(self._wrap_in_place(model, [e for e in experts if e not in self.program_shapes]))
         # every name of a sharded parameter (a tied one's gradient arrives under each of its names)
         self.units, self.fqns = units, frozenset(name for u in units for p in u.params for name in p.names)
         log.info("fxoverlap: sharded %d parameters into %d units in %.2f s (%s)", len(self.fqns), len(units),
@@ -127,6 +134,8 @@ class ParamSharding:
             self._meshes["dense"] = DeviceMesh.from_group(self.groups.dp_group, device.type)
         if self.sharded("expert"):
             self._meshes["expert"] = self._expert_mesh(device.type)
+        elif self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            self._meshes["expert"] = DeviceMesh.from_group(self.ep_group, device.type, mesh_dim_names=("ep",))
 
     def _expert_mesh(self, device_type: str):
         """The experts' mesh: ("ep", "edp") over ``dp_group``, so an expert parameter is one DTensor
@@ -184,6 +193,30 @@ class ParamSharding:
                 old.data = torch.empty(0, dtype=old.dtype, device=old.device)  # the full copy is gone
         return replaced
 
+    def _wrap_in_place(self, model: nn.Module, names: Sequence[str]) -> dict[int, nn.Parameter]:
+        """The unsharded expert parameters as ``Shard(0)`` DTensors over the EP mesh, their local
+        tensor the parameter's own storage (nothing gathered, nothing copied)."""
+        DTensor, Shard = _dtensor()
+        mesh = self._meshes["expert"]
+        params = dict(model.named_parameters(remove_duplicate=False))
+        replaced = {}
+        for name in names:
+            old = params[name]
+            if id(old) in replaced or isinstance(old, DTensor):
+                continue
+            new = nn.Parameter(DTensor.from_local(old.detach(), mesh, [Shard(0)], run_check=False,
+                                                  shape=torch.Size((old.shape[0] * mesh.size(), *old.shape[1:])),
+                                                  stride=old.stride()), requires_grad=old.requires_grad)
+            for mod in model.modules():
+                for k, p in list(mod._parameters.items()):
+                    if p is old:
+                        mod._parameters[k] = new
+            replaced[id(old)] = new
+            self.program_shapes[name] = old.shape
+        self.local_only = frozenset(n for n, p in model.named_parameters(remove_duplicate=False)
+                                    if id(p) in {id(v) for v in replaced.values()})
+        return replaced
+
     def _rank(self, role: str) -> int:
         ranks = self.groups.dp_ranks if role == "dense" else self.groups.expert_dp_ranks
         return ranks.index(dist.get_rank())
@@ -192,7 +225,7 @@ class ParamSharding:
     def check_hooks(self, params: Mapping[str, torch.Tensor]) -> None:
         """A tensor hook (``p.register_hook``) on a sharded parameter would never see its
         gradient (the local one is summed aside and reduce-scattered): refused by name."""
-        for fqn in self.fqns:
+        for fqn in self.fqns | self.local_only:
             if params[fqn]._backward_hooks:
                 raise ShardParamsError(
                     f"fxoverlap: {fqn} has a tensor hook (p.register_hook), but with OverlapConfig(shard_params=True) "

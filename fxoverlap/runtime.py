@@ -355,6 +355,9 @@ class ProgramRunner:
         # (a tied parameter: each of its names' placeholders gets the one gathered tensor)
         self._unit_names = [[(p.fqn, placeholder[name]) for p in u.params for name in p.names] for u in units]
         self._sharded = frozenset(ph for names in self._unit_names for _, ph in names)
+        # ZeRO-3's DTensors read in place (experts no other rank holds): the program takes their local tensor
+        local = () if self.sharding is None else self.sharding.local_only
+        self._in_place = frozenset(ph for ph, fqn in self.capture.param_placeholders.items() if fqn in local)
         self.weight_start = self._weight_start()
         # the named parts of the program, for execute and turns (fixed once the nodes are bound)
         end = len(self._bound)
@@ -411,8 +414,9 @@ class ProgramRunner:
         parameters by name (:class:`NamedTensors`), for the reduction's ``begin`` (None: it
         looks them up itself)."""
         cap = self.capture
-        if self._sharded:  # the gathers put them in (DTensor shards are no stage's input)
-            static = {k: v for k, v in static.items() if k not in self._sharded}
+        if self._sharded or self._in_place:  # the gathers put them in (DTensor shards are no stage's input)
+            static = {k: (v._local_tensor if k in self._in_place else v) for k, v in static.items()
+                      if k not in self._sharded}
         stores = []
         for i, mb in enumerate(microbatches):
             store = dict(static)

@@ -33,9 +33,9 @@ def _full(p: torch.Tensor) -> torch.Tensor:
         return p
     full = p.full_tensor()
     mesh = p.device_mesh
-    if mesh.ndim == 2:
+    if "ep" in (mesh.mesh_dim_names or ()):  # experts: ("ep", "edp"), or ("ep",) where no other rank holds them
         rows = full.shape[0] // mesh.size(0)
-        e = mesh.get_local_rank(0)
+        e = mesh.get_local_rank("ep")
         return full[e * rows:(e + 1) * rows]
     return full
 
@@ -504,7 +504,8 @@ def edge_ep1_dp4(rank: int, world: int) -> dict:
 
 
 def edge_ep4(rank: int, world: int) -> dict:
-    """EP 4 x DP 4 for the dense parameters, experts over a group of one (not sharded)."""
+    """EP 4 x DP 4 for the dense parameters, experts over a group of one (not gathered: DTensors
+    over the EP mesh, read in place)."""
     alone, _ = dist.new_subgroups(group_size=1)
     row = compare_steps(rank, _model, dist.group.WORLD, alone)
     return _strip(row)
@@ -513,8 +514,8 @@ def edge_ep4(rank: int, world: int) -> dict:
 def edge_clip(rank: int, world: int) -> dict:
     """Clipping by the global norm: torch's clip_grad_norm_ refuses ZeRO-3's gradients (DTensors
     on two meshes); ``engine.clip_grad_norm_`` equals eager's global norm (every EP rank's experts
-    counted once), with the expert role sharded (EP 2 x DP 2) and not (EP 4: plain expert
-    gradients that differ between ranks); an optimizer with foreach over both meshes steps."""
+    counted once), with the expert role sharded (EP 2 x DP 2) and not (EP 4: expert DTensors over
+    the EP mesh alone); an optimizer with foreach over every mesh steps."""
     from torch.distributed.tensor import DTensor
 
     ep2, edp2 = groups()
@@ -548,7 +549,7 @@ def edge_clip(rank: int, world: int) -> dict:
         row["grad_scale"] = max(g.abs().max().item() for g in ref.values())
         row["types"] = sorted({type(p.grad).__name__ for p in model.parameters()})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-        try:  # EP 4: plain expert parameters next to DTensor dense ones (see the report of issue 38)
+        try:  # a foreach optimizer over every parameter (DTensors on the dp, (ep, edp) or ep mesh)
             opt.step()
             row["foreach"] = None
         except RuntimeError as e:
