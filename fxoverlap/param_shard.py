@@ -175,7 +175,8 @@ class ParamSharding:
                 if isinstance(old, DTensor):
                     raise GradReduceConfigError(
                         f"fxoverlap: OverlapConfig(shard_params=True) shards plain parameters; {up.fqn} is a "
-                        f"DTensor already (FSDP, tensor parallelism): leave it to one of them")
+                        f"DTensor already (FSDP, tensor parallelism, or another engine with shard_params that "
+                        f"sharded this model, e.g. copy.deepcopy of one: keep one engine per model)")
                 if not old.is_contiguous():
                     raise GradReduceConfigError(f"fxoverlap: OverlapConfig(shard_params=True) needs contiguous "
                                                 f"parameters; {up.fqn} is not (make it contiguous before optimize)")
