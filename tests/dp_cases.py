@@ -132,8 +132,9 @@ def order_facts(program) -> dict:
     )
 
 
-def numerics(rank: int, world: int, models: list[str], ns: list[int]) -> list[dict]:
-    """forward_backward with in-program reduction vs eager + manual reduction, per case."""
+def numerics(rank: int, world: int, models: list[str], ns: list[int], plans: dict | None = None) -> list[dict]:
+    """forward_backward with in-program reduction vs eager + manual reduction, per case;
+    ``plans`` (if given) receives, per model, the engine holding its plans without delayed wgrad."""
     ep, edp = groups()
     out = []
     for name in models:
@@ -146,6 +147,8 @@ def numerics(rank: int, world: int, models: list[str], ns: list[int]) -> list[di
                 engine = fxoverlap.optimize(model, ep, cfg, dp_group=dist.group.WORLD, expert_dp_group=edp)
                 if first is None:
                     first = engine
+                    if plans is not None and not delay:
+                        plans[name] = engine
                 else:
                     share_plans(first, engine)
                 for n in ns:
@@ -203,11 +206,13 @@ def ep1_dp4(rank: int, world: int) -> dict:
     return row
 
 
-def train_steps(rank: int, world: int, steps: int = 2) -> dict:
+def train_steps(rank: int, world: int, steps: int = 2, plans: dict | None = None) -> dict:
     """Optimizer steps: the engine (both modes; reduce_scatter through shard_parameters() and
     gather_parameters()) against eager + manual reduction + the optimizer on all parameters.
     SGD with momentum: the update is linear in the gradient, so parameters differ by no
-    more than lr times the gradients' (reduction-order) difference."""
+    more than lr times the gradients' (reduction-order) difference. ``plans``: ``plans["moe"]``,
+    an engine of the same model (no delayed wgrad) whose captures and stages to reuse (a
+    capture per microbatch count is most of a case's time on CPU)."""
     ep, edp = groups()
     ref_model, vocab = make_model("moe", ep)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
@@ -217,8 +222,9 @@ def train_steps(rank: int, world: int, steps: int = 2) -> dict:
         model, _ = make_model("moe", ep)
         cfg = fxoverlap.OverlapConfig(grad_reduce=mode, reduce_bucket_mb=0)
         engine = fxoverlap.optimize(model, ep, cfg, dp_group=dist.group.WORLD, expert_dp_group=edp)
-        if runs:
-            share_plans(runs["all_reduce"][1], engine)
+        donor = runs["all_reduce"][1] if runs else (plans or {}).get("moe")
+        if donor is not None:
+            share_plans(donor, engine)
         engine.plan(first)  # capture and bucket before the first step: the shards are known
         params = model.parameters() if mode == "all_reduce" else engine.shard_parameters()
         runs[mode] = (model, engine, torch.optim.SGD(params, lr=0.1, momentum=0.9))
@@ -255,7 +261,8 @@ def train_steps(rank: int, world: int, steps: int = 2) -> dict:
                 scale=max(p.abs().max().item() for p in ref_model.parameters()))
 
 
-def accumulation(rank: int, world: int, calls: tuple[tuple[int, ...], ...] = ((2, 2), (2, 1, 3))) -> list[dict]:
+def accumulation(rank: int, world: int, calls: tuple[tuple[int, ...], ...] = ((2, 2), (2, 1, 3)),
+                 plans: dict | None = None) -> list[dict]:
     """Gradient accumulation: several forward_backward calls (microbatch counts ``calls[i]``)
     with no zero_grad between, both modes, then clip_grad_norm_.
 
@@ -264,17 +271,17 @@ def accumulation(rank: int, world: int, calls: tuple[tuple[int, ...], ...] = ((2
     parameter and divided by |dp_group|; ``per_call``: each call's local gradients reduced and
     divided, the results added in call order (what the engine computes: the sums differ from
     ``sum``'s in association only); ``flat``: ``per_call`` with each call reduced on flat
-    buffers of the engine's layout (gloo's order), for bitwise checks."""
+    buffers of the engine's layout (gloo's order), for bitwise checks. ``plans``: as in
+    :func:`train_steps`; ``plans["moe"]`` is then this function's engine (its plans added)."""
     ep, edp = groups()
-    out, first = [], None
+    out, first = [], (plans or {}).get("moe")
     for mode in ("all_reduce", "reduce_scatter"):
         model, vocab = make_model("moe", ep)
         engine = fxoverlap.optimize(model, ep, fxoverlap.OverlapConfig(grad_reduce=mode, reduce_bucket_mb=0),
                                     dp_group=dist.group.WORLD, expert_dp_group=edp)
-        if first is None:
-            first = engine
-        else:
+        if first is not None:
             share_plans(first, engine)
+        first = engine
         for ns in calls:
             batches = [make_batches(rank, vocab, n, seed=50 + 10 * len(ns) + c) for c, n in enumerate(ns)]
             eager_steps(model, [mb for mbs in batches for mb in mbs])  # one eager accumulation over every call
@@ -331,6 +338,8 @@ def accumulation(rank: int, world: int, calls: tuple[tuple[int, ...], ...] = ((2
                 for v in engine.shard_parameters():
                     v.grad = None
             out.append(row)
+    if plans is not None:
+        plans["moe"] = first
     return out
 
 
@@ -393,9 +402,13 @@ def bad_groups(rank: int, world: int) -> dict:
 def everything(rank: int, world: int, models: list[str] | None = None, rest: bool = True) -> dict:
     """One 4-rank spawn for the data-parallel tests: the numerics of ``models`` (default: both)
     and, with ``rest``, every other case."""
-    out = dict(numerics=numerics(rank, world, models or ["moe", "titan"], [1, 3]))
+    plans: dict = {}
+    out = dict(numerics=numerics(rank, world, models or ["moe", "titan"], [1, 3], plans))
     if rest:
-        out.update(train=train_steps(rank, world), ep1=ep1_dp4(rank, world), accumulation=accumulation(rank, world),
+        # the reference model's plans (1 and 3 microbatches, then 2) are captured once for the
+        # numerics, the accumulation and the optimizer steps: they differ in the reduction only
+        out.update(accumulation=accumulation(rank, world, plans=plans))
+        out.update(train=train_steps(rank, world, plans=plans), ep1=ep1_dp4(rank, world),
                    timeline=timeline(rank, world), errors=bad_groups(rank, world))
     return out
 

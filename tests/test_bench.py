@@ -233,6 +233,10 @@ def test_args():
     assert routing_fields("dedup") == dict(routing="dropless", token_dedup=True)
 
 
+# `slow`: torchrun starts 3 fresh interpreters and the compile mode runs Inductor. By default the
+# bench's CPU run is tested in one process (test_emulated_link.py's test_bench_cpu_emulated_smoke)
+# and its rows (test_rows_cpu_one_process_per_row).
+@pytest.mark.slow
 def test_bench_cpu_two_ranks(tmp_path, capsys):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -299,8 +299,9 @@ def fake_cuda(monkeypatch):
     return backend
 
 
-# 3 microbatches already replay each parity's graphs for a second microbatch; 5 (tried) add CI time, not cases
-@pytest.mark.parametrize("n", [1, 2, 3])
+# 3 microbatches already replay each parity's graphs for a second microbatch; 5 (tried) add CI time, not cases.
+# 2 (both copies, each replayed once a step) is a subset of 3's path: `slow`.
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("routing", ["capacity", "dropless"])
 def test_replay_logic_bitwise(fake_cuda, routing, n):
     mbs = _batches(n, 256, seed=n)

@@ -160,7 +160,10 @@ def test_pp2_ep1(schedule, kind):
         assert {"dispatch", "experts", "combine"} <= kinds
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("Schedule1F1B", marks=pytest.mark.slow), "ScheduleDualPipeV"])
+# both `slow` (4 ranks): by default DualPipeV runs at PP 2 x EP 2 in test_pp2_ep2_dp_group_reduction
+# (numerics, merged steps), its p2p order and weight steps at EP 1 (test_pp2_ep1*)
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleDualPipeV"])
 def test_pp2_ep2(schedule):
     results = run_distributed(pp_cases.run_case, schedule, "ref", 2, world_size=4)
     _check(results, schedule, 1 if schedule == "Schedule1F1B" else 2, overlap=schedule == "ScheduleDualPipeV")
@@ -428,6 +431,7 @@ def test_pp2_ep2_hf_qwen3_moe():
     _check(results, "ScheduleDualPipeV", 2, overlap=True, bitwise=False)
 
 
+@pytest.mark.slow  # test_pp2_ep1_gradient_hook_keeps_autograd keeps a stage's backward in autograd by default
 def test_pp2_ep1_graph_break_keeps_autograd():
     """A graph break before the head: the last stage runs as two fxoverlap graphs, so its
     backward stays in autograd (the second graph's input is no leaf); the others merge."""

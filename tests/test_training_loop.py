@@ -297,14 +297,18 @@ def test_a_fresh_output_fn_each_forward_only_call_reuses_one_program():
 
 
 def test_closure_values_are_in_the_key_and_the_cache_is_bounded():
-    model, ref, engine = _pair()
+    # A bound of 3 (the default is 8) evicts after a few compiles: each compile is a capture.
+    assert fxoverlap.OverlapConfig().max_programs == 8
+    model = _model()
+    ref = copy.deepcopy(model)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(compiler="eager", max_programs=3))
     mbs = _mbs(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i in range(20):
+        for i in range(5):
             scale = float(i + 1)
             _step(engine, model, ref, mbs, lambda out, tokens: out.float().pow(2).mean() * scale)
-    assert engine.cache.compiles == 20 and len(engine.cache) == 8
+    assert engine.cache.compiles == 5 and len(engine.cache) == 3
     repeated = [w for w in caught if issubclass(w.category, RepeatedRecompileWarning)]
     assert len(repeated) == 1 and "cache_hash" in str(repeated[0].message)
 
