@@ -26,7 +26,7 @@ fxoverlap.enable_dynamic_output_shapes()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ["dispatcher", "tag", "side", "rng", "chunk", "recompute", "split", "cudagraph", "inductor",
-         "schedule", "reduce", "streams", "free"]
+         "schedule", "reduce", "shard", "streams", "free"]
 
 # A tiny MoE model on one rank, through optimize (2 microbatches) and, with BACKEND, torch.compile.
 SCRIPT = textwrap.dedent("""

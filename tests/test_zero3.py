@@ -1,9 +1,10 @@
 """Fully sharded parameters (ZeRO-3, ``OverlapConfig(shard_params=True)``).
 
-One 4-rank gloo spawn (EP 2 x DP 2, ``zero3_cases.everything``) serves the distributed tests:
+One 4-rank gloo spawn (EP 2 x DP 2, ``zero3_cases.everything``; CI's slow step) serves the distributed tests:
 two optimizer steps against eager + manual reduction (with and without ``delay_wgrad``, chunks,
 user AC), the parameter memory per rank, a DCP checkpoint and resume, forward-only on the
-sharded model, and the named errors. The placement of the gather/drop nodes is also checked
+sharded model, and the named errors; a second one the edge cases (``zero3_cases.edge``). The
+default suite checks the units, the roles and the placement of the gather/drop nodes
 single-process, on a program built from a capture (the ``shard`` pass needs no process group).
 """
 
@@ -32,24 +33,14 @@ def _everything() -> list[dict]:
     return run_distributed(zero3_cases.everything, world_size=4)
 
 
-@functools.cache
-def _slow_cases() -> list[dict]:
-    return run_distributed(zero3_cases.everything, zero3_cases.SLOW_TRAIN, False, world_size=4)
-
-
-def _name(case: tuple) -> str:
-    return "delay={},chunks={},ac={}".format(*case)
-
-
-CASES = [_name(c) for c in zero3_cases.DEFAULT_TRAIN] + [
-    pytest.param(_name(c), marks=pytest.mark.slow) for c in zero3_cases.SLOW_TRAIN]
+CASES = ["delay={},chunks={},ac={}".format(*c) for c in zero3_cases.TRAIN]
 
 
 def _train(case: str) -> list[dict]:
-    ranks = _everything() if case in _everything()[0]["train"] else _slow_cases()
-    return [out["train"][case] for out in ranks]
+    return [out["train"][case] for out in _everything()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_two_steps_equal_eager_with_manual_reduction(case):
     """Expert gradients bitwise (they sum over 2 ranks), dense ones within 1e-6 * max|p| (the
@@ -63,6 +54,7 @@ def test_two_steps_equal_eager_with_manual_reduction(case):
         assert max(row["param_diff"]) <= 1e-6 * row["scale"], (rank, row["param_diff"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_every_gather_runs_ahead_of_its_reader_and_is_dropped_once(case):
     row = _train(case)[0]["placement"]
@@ -74,6 +66,7 @@ def test_every_gather_runs_ahead_of_its_reader_and_is_dropped_once(case):
     assert 2 <= row["peak"] <= 5, row["peak"]
 
 
+@pytest.mark.slow
 def test_parameter_memory_per_rank():
     """Between steps a rank holds P/n (dense over 4, experts over 2 ranks); in a step at most the
     gathered units the program's bound allows; each drop frees its unit (nothing else holds it)."""
@@ -85,6 +78,7 @@ def test_parameter_memory_per_rank():
         assert m["gathers"] == m["drops"] > 0 and m["live_after"] == 0, (rank, m)
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_and_forward_only():
     for rank, out in enumerate(_everything()):
         c = out["checkpoint"]
@@ -95,6 +89,7 @@ def test_checkpoint_resume_and_forward_only():
         assert c["forward_only"] <= 1e-6 * c["eval_scale"], (rank, c)
 
 
+@pytest.mark.slow
 def test_accumulation_over_calls_and_hooks():
     for rank, out in enumerate(_everything()):
         a = out["accumulation"]
@@ -102,6 +97,7 @@ def test_accumulation_over_calls_and_hooks():
         assert a["hook"] is not None and a["hook"].startswith("ShardParamsError") and "register_hook" in a["hook"], a
 
 
+@pytest.mark.slow
 def test_errors_name_the_problem():
     e = _everything()[0]["errors"]
     assert e["no_dp_group"].startswith("GradReduceConfigError") and "dp_group" in e["no_dp_group"]

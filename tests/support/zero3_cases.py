@@ -285,18 +285,16 @@ def accumulation(rank: int, world: int) -> dict:
     return out
 
 
-# (delay_wgrad, chunks, user AC): the default suite runs two, CI's slow step the other two
-DEFAULT_TRAIN = ((False, 1, False), (True, 1, True))
-SLOW_TRAIN = ((True, 1, False), (False, 2, False))
+# (delay_wgrad, chunks, user AC)
+TRAIN = ((False, 1, False), (True, 1, False), (False, 2, False), (True, 1, True))
 
 
-def everything(rank: int, world: int, cases=DEFAULT_TRAIN, rest: bool = True) -> dict:
-    """One 4-rank spawn for the ZeRO-3 tests: the training ``cases`` and, with ``rest``, the others."""
-    out = dict(train={f"delay={d},chunks={c},ac={a}": train(rank, world, d, c, a) for d, c, a in cases})
-    if rest:
-        out.update(memory=memory(rank, world), checkpoint=checkpoint(rank, world), errors=errors(rank, world),
-                   accumulation=accumulation(rank, world))
-    return out
+def everything(rank: int, world: int) -> dict:
+    """One 4-rank spawn for the ZeRO-3 tests (CI's slow step): the training cases, memory,
+    checkpoint and resume, forward-only, accumulation over calls and hooks, errors."""
+    return dict(train={f"delay={d},chunks={c},ac={a}": train(rank, world, d, c, a) for d, c, a in TRAIN},
+                memory=memory(rank, world), checkpoint=checkpoint(rank, world), errors=errors(rank, world),
+                accumulation=accumulation(rank, world))
 
 
 def program_lines(rank: int, world: int, n: int = 3, delay: bool = False) -> list[str]:
