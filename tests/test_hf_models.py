@@ -315,6 +315,7 @@ def _list_two_ranks() -> list[dict]:
     return run_distributed_once(list_experts.on_two_ranks)
 
 
+@pytest.mark.slow
 def test_list_experts_match_unsharded_model():
     """Experts as an nn.ModuleList of MLPs (our own model, eager and through optimize) and as
     Switch Transformers' nn.ModuleDict of MLPs (eager: an encoder-decoder, see docs/models.md),

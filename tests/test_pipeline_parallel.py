@@ -238,6 +238,7 @@ def test_pp2_ep2_composes(kind, config):
         assert "recompute" in kinds, kinds
 
 
+@pytest.mark.slow
 def test_stage_without_layer_list_raises():
     (res,) = run_distributed(pp_cases.error_case, "nolist", world_size=1)
     assert res["raised"]

@@ -50,6 +50,7 @@ def test_forkserver_ranks_see_the_callers_environment_not_its_state(world, monke
     assert {r["ppid"] for r in results} == {_server_pid()}, (results, _server_pid())
 
 
+@pytest.mark.slow
 def test_an_import_time_variable_changed_falls_back_to_spawn(monkeypatch, forkserver):
     """torch read TORCH_* when the server imported it: a call that changes one gets fresh ranks."""
     monkeypatch.setenv("FXO_RANK_START_SET", "yes")
@@ -59,6 +60,7 @@ def test_an_import_time_variable_changed_falls_back_to_spawn(monkeypatch, forkse
     assert {r["ppid"] for r in results} == {os.getpid()}
 
 
+@pytest.mark.slow
 def test_spawn_on_request(monkeypatch):
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
     monkeypatch.setenv("FXO_RANK_START_SET", "yes")

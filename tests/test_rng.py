@@ -156,6 +156,7 @@ def _inductor_program_vs_plain(router: str) -> None:
     assert any(s.runs_as == "inductor" and s.draws for s in plan.stages)
 
 
+@pytest.mark.slow
 def test_hf_family_whose_router_samples():
     """PhiMoE's sparsemixer draws Gumbel noise in training, with jitter and attention dropout:
     without the rng pass its losses differ from eager's (found on main at 8031e30)."""

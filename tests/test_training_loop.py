@@ -207,7 +207,7 @@ def test_grad_mode_is_part_of_the_key():
     assert engine.cache.compiles == 2
 
 
-@pytest.mark.parametrize("first", ["fp32", "autocast"])
+@pytest.mark.parametrize("first", [pytest.param("fp32", marks=pytest.mark.slow), "autocast"])
 def test_autocast_switched_between_calls(first):
     """fp32 then autocast crashed in a backward stage; autocast then fp32 stayed bf16."""
     model, ref, engine = _pair()
