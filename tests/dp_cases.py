@@ -399,17 +399,21 @@ def bad_groups(rank: int, world: int) -> dict:
     return out
 
 
-def everything(rank: int, world: int, models: list[str] | None = None, rest: bool = True) -> dict:
-    """One 4-rank spawn for the data-parallel tests: the numerics of ``models`` (default: both)
-    and, with ``rest``, every other case."""
+def everything(rank: int, world: int, models: list[str] | None = None, rest: bool = True,
+               ns: tuple[int, ...] = (1, 3), with_timeline: bool = False) -> dict:
+    """One 4-rank spawn for the data-parallel tests: the numerics of ``models`` (default: both) at
+    ``ns`` microbatches; with ``rest``, the optimizer steps, EP 1, accumulation and the errors;
+    with ``with_timeline``, the CPU timeline."""
     plans: dict = {}
-    out = dict(numerics=numerics(rank, world, models or ["moe", "titan"], [1, 3], plans))
+    out = dict(numerics=numerics(rank, world, models or ["moe", "titan"], list(ns), plans))
     if rest:
-        # the reference model's plans (1 and 3 microbatches, then 2) are captured once for the
-        # numerics, the accumulation and the optimizer steps: they differ in the reduction only
+        # the reference model's plans are captured once for the numerics, the accumulation and the
+        # optimizer steps: they differ in the reduction only
         out.update(accumulation=accumulation(rank, world, plans=plans))
         out.update(train=train_steps(rank, world, plans=plans), ep1=ep1_dp4(rank, world),
-                   timeline=timeline(rank, world), errors=bad_groups(rank, world))
+                   errors=bad_groups(rank, world))
+    if with_timeline:
+        out["timeline"] = timeline(rank, world)
     return out
 
 

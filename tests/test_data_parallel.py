@@ -1,7 +1,8 @@
 """Expert parallelism inside data parallelism: gradient reductions inside the program.
 
-One 4-rank gloo spawn (EP 2 x DP 2, ``dp_cases.everything``) serves the distributed tests (a
-second one the torchtitan-style model's numerics, `slow`);
+One 4-rank gloo spawn (EP 2 x DP 2, ``dp_cases.everything``) serves the distributed tests (two
+`slow` ones the torchtitan-style model's numerics, and the reference model's at 1 microbatch
+with the CPU timeline);
 the snapshot of the program with its reduction nodes is single-rank (the reduce pass
 needs no process group).
 
@@ -38,18 +39,23 @@ _RESULTS: dict[str, list] = {}
 
 
 def _everything(model: str = "moe") -> list[dict]:
+    """The default spawn (the reference model at 3 microbatches, and every other case), or a slow
+    one: the torchtitan-style model ("titan"), the reference model at 1 microbatch with the CPU
+    timeline ("moe-1")."""
     if model not in _RESULTS:
-        _RESULTS[model] = run_distributed(dp_cases.everything, [model], model == "moe", world_size=4)
+        args = {"moe": (["moe"], True, (3,), False), "moe-1": (["moe"], False, (1,), True),
+                "titan": (["titan"], False, (1, 3), False)}[model]
+        _RESULTS[model] = run_distributed(dp_cases.everything, *args, world_size=4)
     return _RESULTS[model]
 
 
-CASES = [(m, d, mode, n) if m == "moe" else pytest.param(m, d, mode, n, marks=pytest.mark.slow)
+CASES = [(m, d, mode, n) if (m, n) == ("moe", 3) else pytest.param(m, d, mode, n, marks=pytest.mark.slow)
          for m in ("moe", "titan") for d in (False, True) for mode in ("all_reduce", "reduce_scatter") for n in (1, 3)]
 
 
 @pytest.mark.parametrize("model,delay_wgrad,mode,n", CASES)
 def test_gradients_match_eager_plus_manual_reduction(model, delay_wgrad, mode, n):
-    for rank, res in enumerate(_everything(model)):
+    for rank, res in enumerate(_everything("moe-1" if (model, n) == ("moe", 1) else model)):
         rows = [r for r in res["numerics"] if r.get("n") == n and r["model"] == model
                 and r["delay_wgrad"] == delay_wgrad and r["mode"] == mode]
         assert len(rows) == 1, rows
@@ -77,7 +83,7 @@ def test_shards_partition_the_buckets(model):
     """reduce_scatter: the two ranks of a group own disjoint halves; together, everything."""
     res = _everything(model)
     sizes = [next(r["shard_elements"] for r in rk["numerics"] if r.get("mode") == "reduce_scatter"
-                  and r["model"] == model and r.get("n") == 1 and not r["delay_wgrad"]) for rk in res]
+                  and r["model"] == model and r.get("n") == 3 and not r["delay_wgrad"]) for rk in res]
     assert len(set(sizes)) <= 2 and all(s > 0 for s in sizes), sizes
 
 
@@ -156,13 +162,14 @@ def test_clip_grad_norm_after_accumulation_matches_eager(mode):
                 assert abs(c["norm"] - c["ref"]) <= 1e-6 * c["ref"], c
 
 
+@pytest.mark.slow
 def test_cpu_timeline_reductions_overlap_the_backward():
     """Measured on CPU (gloo runs each reduction on its own thread while the rank computes).
 
     A dense reduction can only finish once every rank of the world has issued it, and the two
     EP pairs drift apart on 2 shared cores; so the measure is against the world's last rank
     to finish B(N-1)'s layer 0: how many reductions of layers L-1..1 had completed by then."""
-    res = _everything()
+    res = _everything("moe-1")
     l0_end = max(r["timeline"]["l0_end"] for r in res)
     upper, done_early = 0, 0
     exposed = []
