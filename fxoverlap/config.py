@@ -343,6 +343,10 @@ class OverlapConfig:
             raise ConfigError("OverlapConfig(shard_params=True, cuda_graphs=True): a gathered parameter lives in "
                               "new memory at every step, which a CUDA graph cannot follow; leave cuda_graphs unset "
                               "(off with shard_params)")
+        if self.shard_params and self.autotune:
+            raise ConfigError("OverlapConfig(shard_params=True, autotune=True): tuning builds an engine per candidate, "
+                              "and the first shards the model's parameters for good; tune without shard_params "
+                              "(fxoverlap.tune(model, ...)) and pass dataclasses.replace(tuned, shard_params=True)")
         if not isinstance(self.autotune, bool):
             raise ConfigError(f"OverlapConfig.autotune must be True or False, got {self.autotune!r}")
         if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:

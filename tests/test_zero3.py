@@ -197,9 +197,11 @@ def test_param_units_refuse_undivisible_parameters():
         param_units(cap, {"dense": 3, "expert": 1})
 
 
-def test_config_refuses_cuda_graphs_and_front_ends():
+def test_config_refuses_cuda_graphs_autotune_and_front_ends():
     with pytest.raises(fxoverlap.ConfigError, match="cuda_graphs"):
         fxoverlap.OverlapConfig(shard_params=True, cuda_graphs=True)
+    with pytest.raises(fxoverlap.ConfigError, match="autotune"):
+        fxoverlap.OverlapConfig(shard_params=True, autotune=True)
     from fxoverlap.config import refused_fields
 
     assert "shard_params" in refused_fields(fxoverlap.OverlapConfig(shard_params=True), "backend")
