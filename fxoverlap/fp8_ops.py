@@ -31,7 +31,7 @@ import torch
 
 from fxoverlap.config import EXPERT_DTYPES, ConfigError
 from fxoverlap.ir.errors import FxOverlapError
-from fxoverlap.kernels import fp8_gemm
+from fxoverlap.kernels import fp8_gemm, grouped_gemm
 
 ROW_ALIGN = fp8_gemm.ALIGN  # rows per expert group start, and K and N, in FP8
 MIN_CAPABILITY = (8, 9)  # torch._scaled_grouped_mm's FP8 kernels: Ada (SM89), Hopper (SM90) and newer
@@ -86,18 +86,17 @@ def fp8_unavailable(device: torch.device) -> list[str]:
     why = []
     if not hasattr(torch, "_scaled_grouped_mm"):
         why.append(f"torch {torch.__version__} has no torch._scaled_grouped_mm (torch >= 2.11 has it)")
+    device_why = None
     if device.type != "cuda":
-        why.append(f"the model's parameters are on {device.type}: the FP8 grouped GEMM "
-                   f"(torch._scaled_grouped_mm) runs on CUDA GPUs of compute capability "
-                   f">= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper and newer)")
-        if _find_torchao() is None:
-            why.append(f"torchao is not installed: {INSTALL}")
-        return why
-    cap = tuple(_capability(device))
-    if cap < MIN_CAPABILITY:
-        why.append(f"{device} is compute capability {cap[0]}.{cap[1]}, below "
-                   f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: it has no FP8 tensor cores for "
-                   f"torch._scaled_grouped_mm (Ada SM89, Hopper SM90 and newer do)")
+        device_why = (f"the model's parameters are on {device.type}: the FP8 grouped GEMM "
+                      f"(torch._scaled_grouped_mm) runs on CUDA GPUs of compute capability "
+                      f">= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper and newer)")
+    elif (cap := tuple(_capability(device))) < MIN_CAPABILITY:
+        device_why = (f"{device} is compute capability {cap[0]}.{cap[1]}, below "
+                      f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: it has no FP8 tensor cores for "
+                      f"torch._scaled_grouped_mm (Ada SM89, Hopper SM90 and newer do)")
+    if device_why is not None:  # torchao's kernels are not imported here: only whether it is installed
+        why.append(device_why)
         if _find_torchao() is None:
             why.append(f"torchao is not installed: {INSTALL}")
         return why
@@ -183,21 +182,8 @@ def _(x, dy, offs):
     return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
 
 
-def _setup(ctx, inputs, output):
-    x, w, offs = inputs
-    ctx.save_for_backward(x, w, offs)
-
-
-def _backward(ctx, dy):
-    x, w, offs = ctx.saved_tensors
-    dy = dy.contiguous()
-    # The input gradient is the forward op on (dy, w^T): dy per row, w^T per column (over N).
-    dx = _grouped_mm_fp8(dy, w.transpose(-1, -2), offs) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_fp8_wgrad(x, dy, offs) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
-
-
-_grouped_mm_fp8.register_autograd(_backward, setup_context=_setup)
+# the input gradient is the forward op on (dy, w^T): dy quantized per row, w^T per column (over N)
+grouped_gemm.register_split_backward(_grouped_mm_fp8, _grouped_mm_fp8_wgrad)
 
 
 def check_gemm(x: torch.Tensor, w: torch.Tensor) -> None:

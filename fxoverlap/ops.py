@@ -329,20 +329,7 @@ def _(x, dy, offs):
     return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
 
 
-def _gmm_setup(ctx, inputs, output):
-    x, w, offs = inputs
-    ctx.save_for_backward(x, w, offs)
-
-
-def _gmm_backward(ctx, dy):
-    x, w, offs = ctx.saved_tensors
-    dy = dy.contiguous()
-    dx = _grouped_mm(dy, w.transpose(-1, -2), offs) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_wgrad(x, dy, offs) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
-
-
-_grouped_mm.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+grouped_gemm.register_split_backward(_grouped_mm, _grouped_mm_wgrad)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

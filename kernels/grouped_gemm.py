@@ -53,3 +53,22 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> t
         torch.mm(x[start:end].t(), dy[start:end], out=dw[g])
         start = end
     return dw
+
+
+def register_split_backward(forward_op, wgrad_op) -> None:
+    """The autograd of a grouped GEMM custom op ``forward_op(x, w, offs)`` as two ops, so that
+    ``delay_wgrad`` can move the weight gradient: the input gradient is ``forward_op`` itself on
+    ``(dy, wᵀ)``, the weight gradient ``wgrad_op(x, dy, offs)`` (bf16 and FP8 alike)."""
+
+    def setup(ctx, inputs, output):
+        x, w, offs = inputs
+        ctx.save_for_backward(x, w, offs)
+
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = forward_op(dy, w.transpose(-1, -2), offs) if ctx.needs_input_grad[0] else None
+        dw = wgrad_op(x, dy, offs) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+    forward_op.register_autograd(backward, setup_context=setup)

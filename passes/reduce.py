@@ -111,14 +111,17 @@ def parameter_readers(capture: Capture) -> dict[str, set[Tag | None]]:
     return readers
 
 
-def parameter_roles(capture: Capture) -> dict[str, str]:
+def parameter_roles(capture: Capture, readers: dict[str, set[Tag | None]] | None = None) -> dict[str, str]:
     """``"expert"`` for each parameter (FQN) that only experts stages read
-    (:func:`parameter_readers`), else ``"dense"``."""
+    (:func:`parameter_readers`, or ``readers`` where the caller has them), else ``"dense"``."""
+    if readers is None:
+        readers = parameter_readers(capture)
     return {fqn: "expert" if {None if t is None else t.kind for t in tags} == {StageKind.EXPERTS} else "dense"
-            for fqn, tags in parameter_readers(capture).items()}
+            for fqn, tags in readers.items()}
 
 
-def _param_meta(capture: Capture) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def param_meta(capture: Capture) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each parameter's (FQN) traced shape and dtype."""
     out = {}
     for ph in capture.graph_module.graph.find_nodes(op="placeholder"):
         fqn = capture.param_placeholders.get(ph.name)
@@ -137,7 +140,7 @@ def reduce(program: torch.fx.GraphModule, capture: Capture, bucket_bytes: int) -
     graph = program.graph
     last = program_of(program).num_microbatches - 1
     roles = parameter_roles(capture)  # 1.
-    meta = _param_meta(capture)
+    meta = param_meta(capture)
 
     # 2. when each gradient is final: the last microbatch's accumulate nodes, in order
     accumulates = [n for n, s in steps(program)

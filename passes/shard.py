@@ -63,7 +63,7 @@ from fxoverlap.ir.errors import FxOverlapError, InternalError
 from fxoverlap.ir.program import program_of, stage_calls
 from fxoverlap.ir.stage import Direction, Stage, StreamKind
 from fxoverlap.ir.unit import ParamUnit, UnitParam
-from fxoverlap.passes.reduce import ALIGN, parameter_readers, parameter_roles
+from fxoverlap.passes.reduce import ALIGN, param_meta, parameter_readers, parameter_roles
 
 
 class ShardError(FxOverlapError, ValueError):
@@ -86,7 +86,8 @@ def param_units(capture: Capture, ranks: Mapping[str, int],
     lifts each name as a placeholder of its own, but the tensor is one parameter of one unit,
     read by the readers of every name. Raises :class:`ShardError` for a parameter whose first
     dimension the group size does not divide (or a 0-dim parameter)."""
-    readers, roles = parameter_readers(capture), parameter_roles(capture)
+    readers = parameter_readers(capture)
+    roles = parameter_roles(capture, readers)  # (before the tied names' readers are merged below)
     aliases: dict[str, list[str]] = {}
     for name, first in (tied or {}).items():
         if name in readers and first in readers and name != first:
@@ -95,10 +96,7 @@ def param_units(capture: Capture, ranks: Mapping[str, int],
             if roles[name] != roles[first]:
                 roles[first] = "dense"
             aliases.setdefault(first, []).append(name)
-    meta = {}
-    for ph in capture.graph_module.graph.find_nodes(op="placeholder"):
-        if (fqn := capture.param_placeholders.get(ph.name)) is not None:
-            meta[fqn] = (tuple(int(d) for d in ph.meta["val"].shape), ph.meta["val"].dtype)
+    meta = param_meta(capture)
     groups: dict[tuple, list[str]] = {}
     bad = []
     for fqn, tags in readers.items():
