@@ -42,7 +42,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from fxoverlap.ir.meta import RECOMPUTE_LAYERS_KEY, TAG_KEY, computes, is_host_sync, op_name
+from fxoverlap.ir.meta import RECOMPUTE_LAYERS_KEY, TAG_KEY, computes, draws_random_numbers, is_host_sync, op_name
 from fxoverlap.ir.stage import COMM_KINDS, Direction, Part, Stage, StageKind, Tag, stage_name
 from fxoverlap.ir.errors import InternalError
 
@@ -272,7 +272,9 @@ def _derive_weight_values_where_read(groups: dict[Tag, list[torch.fx.Node]],
     graph_nodes = next(iter(groups.values()))[0].graph.nodes
     for n in graph_nodes:
         ins = n.all_input_nodes
-        if n.op == "call_function" and ins and all(
+        # (a random draw or an in-place op is never computed twice: eager runs it once)
+        if n.op == "call_function" and ins and not draws_random_numbers(n) and not (
+                isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable) and all(
                 (i.op == "placeholder" and i.name in static) or i in weights for i in ins):
             weights.add(n)
     group_of = {n: t for t, nodes in groups.items() for n in nodes}

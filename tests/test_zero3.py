@@ -300,3 +300,29 @@ def test_edge_hugging_face_families_match_the_unsharded_reduction(family):
         assert row["missing"] == [] and row["zero3_losses"] == row["all_reduce_losses"], (rank, row)
         assert row["diff"] <= 1e-6 * row["scale"], (rank, row["diff"], row["scale"])
         assert {role for _, role, _ in row["units"]} == {"dense", "expert"}, row["units"]
+
+
+def test_a_random_draw_made_from_a_parameter_is_not_drawn_again_where_read():
+    """split copies a value made of parameters alone into each stage that reads it, but never a
+    random draw (``rand_like(w)``): eager draws it once, and the stages must too."""
+    from fxoverlap.ir.meta import draws_random_numbers
+
+    class WeightNoise(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens, labels):
+            w = self.model.norm.weight
+            return self.model(tokens, labels) + (torch.rand_like(w) * w).sum()
+
+    torch.manual_seed(0)
+    cfg = MoEConfig.tiny(shared_expert_dim=32)
+    batch = (torch.randint(0, cfg.vocab_size, (2, 16)), torch.randint(0, cfg.vocab_size, (2, 16)))
+    cap = capture(WeightNoise(MoETransformer(cfg)), batch)
+    gm = tag(cap)
+    drawn = sum(1 for n in gm.graph.nodes if draws_random_numbers(n))
+    assert drawn >= 1
+    stages = split(gm, cap.num_layers, static=frozenset(cap.static_placeholders))
+    in_stages = sum(1 for s in stages for n in s.graph_module.graph.nodes if draws_random_numbers(n))
+    assert in_stages == drawn, (in_stages, drawn)
