@@ -125,7 +125,7 @@ class Engine:
                 # the first capture fixes the units and shards the model: its parameters are DTensors
                 # from now on, which is what the next call's key sees
                 experts = [fqn for fqn, role in parameter_roles(cap).items() if role == "expert"]
-                self.sharding.adopt(param_units(cap, self.sharding.ranks, tied_names(self.model)), self.model, experts)
+                self.sharding.adopt(param_units(cap, self.sharding.sharded_ranks, tied_names(self.model)), self.model, experts)
                 self.cache.put(program_key(self.model, inputs, getattr(inputs, "keywords", ()), fn,
                                            key.role, self.config, self._groups), entry)
         return entry

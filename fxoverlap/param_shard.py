@@ -92,7 +92,15 @@ class ParamSharding:
         return {"dense": self.groups.dp_size, "expert": len(self.groups.expert_dp_ranks)}
 
     def sharded(self, role: str) -> bool:
-        return self.ranks[role] > 1
+        """Whether ``role``'s parameters are split over their group: where other ranks hold them,
+        and on a world of one rank (the same program, its gathers one-rank collectives: how one GPU
+        runs the parameter stream's code)."""
+        return self.ranks[role] > 1 or self.groups.dp_size == 1
+
+    @property
+    def sharded_ranks(self) -> dict[str, int]:
+        """The group size per sharded role (``passes/shard.py``'s ``param_units``)."""
+        return {role: n for role, n in self.ranks.items() if self.sharded(role)}
 
     # ---------------------------------------------------------------- once
     def adopt(self, units: tuple[ParamUnit, ...], model: nn.Module, experts: Sequence[str] = ()) -> None:

@@ -80,8 +80,8 @@ def _unit_name(layers: tuple[int, ...], role: str, num_layers: int) -> str:
 
 def param_units(capture: Capture, ranks: Mapping[str, int],
                 tied: Mapping[str, str] | None = None) -> tuple[ParamUnit, ...]:
-    """The units of the capture's parameters; ``ranks``: the group size per role
-    (``"dense"``, ``"expert"``); ``tied``: name -> first name of the same tensor, for a
+    """The units of the capture's parameters; ``ranks``: the group size per sharded role
+    (``"dense"``, ``"expert"``; a role left out is not sharded); ``tied``: name -> first name of the same tensor, for a
     parameter the model holds under several names (tied embed/head weights): the capture
     lifts each name as a placeholder of its own, but the tensor is one parameter of one unit,
     read by the readers of every name. Raises :class:`ShardError` for a parameter whose first
@@ -101,8 +101,8 @@ def param_units(capture: Capture, ranks: Mapping[str, int],
     bad = []
     for fqn, tags in readers.items():
         role = roles[fqn]
-        n = ranks[role]
-        if n == 1:
+        n = ranks.get(role)
+        if n is None:
             continue
         shape, dtype = meta[fqn]
         if not shape or shape[0] % n:

@@ -20,7 +20,11 @@ nothing on top of the step, 0 when it is fully exposed (``hidden_vs_alone`` uses
 gradients of ``T_dp`` against the local ones reduced by hand parameter by parameter
 (``all_reduce`` then ``/ N``; rel-L2 per parameter and whether bitwise: with 2 ranks a
 sum has one order, so bitwise is expected). ``--csan`` runs one step of each mode under
-``torch.cuda._sanitizer`` at the end. Rank 0 prints ``DP {json}`` lines and writes
+``torch.cuda._sanitizer`` at the end. ``--shard-params`` (EP 1) adds a ZeRO-3 engine
+(``OverlapConfig(shard_params=True)``) on a copy of the model, taken before any engine runs: its
+gradients against the same reference, its step time and peak memory, and its CSAN step; with one
+rank each gather is a one-rank collective, so this checks the parameter stream's code and
+synchronisation on a GPU, not the sharding's saving. Rank 0 prints ``DP {json}`` lines and writes
 ``DIR/gpu_dp.json``. On CPU (``--device cpu``, gloo) it runs as a smoke test.
 
 Run on the lent machine (2 GPUs), e.g.:
@@ -32,6 +36,7 @@ Run on the lent machine (2 GPUs), e.g.:
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -40,6 +45,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import fxoverlap
 from fxoverlap.bench import routing_fields
@@ -72,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--csan", action="store_true", help="one step of each mode under CSAN, at the end")
+    p.add_argument("--shard-params", action="store_true", help="also a ZeRO-3 engine (EP 1 only)")
     p.add_argument("--out", default="bench_out/gpu_dp")
     return p.parse_args()
 
@@ -178,6 +185,9 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     torch.manual_seed(0)
     model = MoETransformer(cfg, ep_group).to(device=device, dtype=dtype)
+    if args.shard_params and args.ep != 1:
+        raise SystemExit("--shard-params: EP 1 only (the reference here is the local gradients reduced by hand)")
+    z_model = copy.deepcopy(model) if args.shard_params else None
     batches = make_batches(cfg, n, mbs, seq, device)
     base = dict(compiler=args.compiler, delay_wgrad=args.delay_wgrad, reduce_bucket_mb=args.bucket_mb, progress=False)
     meta = dict(kind="meta", world=world, ep=args.ep, dp=world, shape=args.shape, routing=args.routing,
@@ -228,6 +238,20 @@ def main() -> None:
     worst, where = rel_l2(want, got)
     emit(dict(kind="numerics", mode="reduce_scatter", worst_rel_l2=worst, param=where,
               bitwise=all(torch.equal(want[k], got[k]) for k in want), ok=worst <= 2**-7))
+    z_engine = None
+    if z_model is not None:
+        z_engine = fxoverlap.optimize(z_model, ep_group, fxoverlap.OverlapConfig(shard_params=True, **base),
+                                      dp_group=dist.group.WORLD, expert_dp_group=edp_group)
+        t0 = time.perf_counter()
+        z_engine.forward_backward(batches)
+        sync(device)
+        got = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+               for name, p in z_model.named_parameters()}
+        worst, where = rel_l2(ref, got)
+        emit(dict(kind="numerics", mode="shard_params", first_step_s=round(time.perf_counter() - t0, 2),
+                  worst_rel_l2=worst, param=where, ok=worst <= 2**-7,
+                  param_types=sorted({type(p).__name__ for p in z_model.parameters()}),
+                  gathered_peak=getattr(program_of(z_engine.program), "gathered_peak", None)))
     del ref, got, want
 
     # timing
@@ -247,6 +271,13 @@ def main() -> None:
                   hidden_vs_alone=1 - (t_dp - t_local) / t_reduce if t_reduce > 0 else None,
                   speedup_vs_after=t_after / t_dp, peak_gib_local=peak_local, peak_gib_dp=peak_dp))
 
+    if z_engine is not None:
+        t_z, peak_z = median_ms(lambda: z_engine.forward_backward(batches), z_model, None, device, args.warmup,
+                                args.iters)
+        emit(dict(kind="timing", mode="shard_params", t_local_ms=t_local, t_dp_ms=t_z, exposed_ms=t_z - t_local,
+                  peak_gib_local=peak_local, peak_gib_dp=peak_z))
+        engines["shard_params"] = z_engine
+
     if args.csan:
         import torch.cuda._sanitizer as csan
 
@@ -254,7 +285,8 @@ def main() -> None:
         for mode, engine in engines.items():
             error = None
             try:
-                clear(model, engine)
+                m = z_model if mode == "shard_params" else model
+                clear(m, None if mode == "shard_params" else engine)
                 engine.forward_backward(make_batches(cfg, n, mbs, seq, device, seed=1))
                 sync(device)
             except Exception as e:  # CSAN raises CUDASanitizerErrors on a race
