@@ -69,6 +69,26 @@ def build(name: str, device: torch.device, tiny: bool, microbatches: int | None)
     return model, mbs, hf_cases.next_token_loss, ep, experts, group
 
 
+def parse_space(text: str, base: Space) -> Space:
+    """``'chunks=1,2;sm_carveout=0,24'`` -> ``base`` with those fields' values."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(Space)}
+    changes = {}
+    for part in filter(None, (x.strip() for x in text.split(";"))):
+        name, _, values = part.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--space: unknown field {name!r}; the fields: {', '.join(fields)}")
+        items = [v.strip() for v in values.split(",") if v.strip()]
+        if name == "dispatchers":
+            changes[name] = tuple(items)
+        elif name == "chunks_in_merged_steps" or name == "delay_wgrad":
+            changes[name] = tuple(v.lower() in ("1", "true", "yes") for v in items)
+        else:
+            changes[name] = tuple(int(v) for v in items)
+    return dataclasses.replace(base, **changes)
+
+
 def time_config(model, group, mbs, loss_fn, cfg, timer, warmup: int, iters: int) -> float:
     """A fresh engine with ``cfg``: ``warmup`` steps, then the timer's median of ``iters``."""
     engine = fxoverlap.optimize(model, group, cfg)
@@ -97,6 +117,9 @@ def main() -> None:
     p.add_argument("--no-sweep", action="store_true", help="skip the exhaustive sweep")
     p.add_argument("--tiny", action="store_true", help="MoEConfig.tiny (the peer model only), for smoke runs")
     p.add_argument("--quick", action="store_true", help="a small space (chunks 1/2, carve-out 0/24): smoke runs")
+    p.add_argument("--space", default="",
+                   help="the knobs searched, as 'field=v1,v2;field=v1' over tune.Space's fields (e.g. "
+                        "'chunks=1,2;sm_carveout=0,24'); the fields not named keep Space()'s values")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = p.parse_args()
@@ -108,6 +131,8 @@ def main() -> None:
     timer = CudaEventTimer(device) if device.type == "cuda" else WallTimer()  # CPU: smoke only, host clock
     space = Space(chunks=(1, 2), chunks_in_merged_steps=(False,), sm_carveout=(0, 24), comm_stream_priority=(-1,)) \
         if a.quick else Space()
+    if a.space:
+        space = parse_space(a.space, space)
     cfg = fxoverlap.OverlapConfig(progress=False)
     path = os.path.join(a.out, "tune.jsonl")
     for name in [m for m in a.models.split(",") if m]:
