@@ -54,7 +54,9 @@ def test_pad_groups_layout():
     x = torch.randn(sum(COUNTS), 8)
     counts = torch.tensor(COUNTS)
     p = ops.pad_groups(x, counts, 16)
-    assert p.x.shape == (sum(COUNTS) + len(COUNTS) * 15, 8)
+    # the bound R + G * 15, rounded up to 16 rows (the FP8 weight gradient reads the rows transposed:
+    # its row stride must be a multiple of 16 bytes)
+    assert p.x.shape == (-(-(sum(COUNTS) + len(COUNTS) * 15) // 16) * 16, 8) and p.x.shape[0] % 16 == 0
     assert p.tokens_per_expert.tolist() == [16, 0, 32, 32, 16]
     offs = _offs(p.tokens_per_expert)
     assert all(o % 16 == 0 for o in offs.tolist())
@@ -191,6 +193,39 @@ def test_optimize_fp8_matches_eager_with_the_same_ops(fp8_here):
     # and the FP8 math is not the bf16 one (the option did something)
     plain = copy.deepcopy(base)
     assert not all(torch.equal(a, b) for a, b in zip(eager_steps(plain, mbs), ref_losses))
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["plain", "user_ac"])
+def test_fp8_composes_with_chunks_delay_wgrad_and_user_ac(fp8_here, ac):
+    """Chunks (over an emulated EP-2 group, so the layers have exchanges to cut), the delayed
+    weight gradient and user activation checkpointing, with FP8 experts: losses and gradients
+    bitwise eager's with the same FP8 ops; the experts run in chunks and every experts stage,
+    recompute included, calls the FP8 ops and no bf16 grouped GEMM."""
+    from fxoverlap.kernels import emulated_link as el
+
+    torch.manual_seed(0)
+    group = el.EmulatedGroup(None)
+    cfg = MoEConfig.tiny(n_layers=2, n_experts=8, activation_checkpoint=ac)
+    base = MoETransformer(cfg, group).to(torch.bfloat16)
+    mbs = token_batches(cfg.vocab_size, 3, (2, 16))
+    m = copy.deepcopy(base)
+    engine = fxoverlap.optimize(m, group, fxoverlap.OverlapConfig(
+        expert_dtype="fp8_rowwise", chunks=2, delay_wgrad=True, compiler="eager", progress=False))
+    losses = engine.forward_backward(mbs)
+    grads = take_grads(m)
+    ref = copy.deepcopy(base)
+    with fp8_ops.expert_math("fp8_rowwise"):
+        ref_losses = eager_steps(ref, mbs)
+    ref_grads = take_grads(ref)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    experts = [s for s in engine.stages if "experts" in s.name]
+    assert any("_c1" in s.name for s in experts), [s.name for s in experts]
+    assert all(fp8_ops.GROUPED_MM_FP8_OP in _names(s) or fp8_ops.GROUPED_MM_FP8_WGRAD_OP in _names(s)
+               for s in experts if s.kind != "recompute" or ac)
+    bf16 = {torch.ops.fxoverlap.grouped_mm.default, ops.GROUPED_MM_WGRAD_OP}
+    assert not any(bf16 & _names(s) for s in engine.stages)
+    engine.close()
 
 
 def _gpt_oss():
