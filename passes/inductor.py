@@ -310,12 +310,19 @@ def _cell(fn, name: str):
         return None
 
 
+def _unserializable(fn):
+    """``fn`` without AOTAutograd's ``SerializableCompiledFunction`` (a pass-through holding its cache entry)."""
+    from torch._functorch._aot_autograd.runtime_wrappers import SerializableCompiledFunction
+
+    return fn.compiled_fn if isinstance(fn, SerializableCompiledFunction) else fn
+
+
 def direct_stage(art, n_outputs: int) -> DirectStage | None:
     """The :class:`DirectStage` of a ``standalone_compile`` artifact, or None (call the artifact)
     when AOTAutograd's runtime wrapper does more than :class:`DirectStage` may skip, or its
     layout is not the one this was written against (torch 2.13's: artifact -> Dynamo's
-    ``disable`` -> ``aot_module_simplified``'s ``forward`` -> [``SerializableCompiledFunction``]
-    -> the inference ``runtime_wrapper`` -> ``CompiledFxGraph``)."""
+    ``disable`` -> ``aot_module_simplified``'s ``forward`` -> the inference ``runtime_wrapper``
+    -> ``CompiledFxGraph``, with AOTAutograd's cache entry around one of the last two)."""
     from torch._inductor.output_code import CompiledFxGraph
 
     fn = getattr(art, "_compiled_fn", None)
@@ -325,11 +332,13 @@ def direct_stage(art, n_outputs: int) -> DirectStage | None:
     params = _cell(fwd, "params_buffers_flat")
     if params is None or len(params) != 0:
         return None
-    rw = _cell(fwd, "compiled_fn")
-    rw = getattr(rw, "compiled_fn", rw)  # SerializableCompiledFunction
+    # AOTAutograd's cache entry (a pass-through) wraps the compiled graph on a cache miss and
+    # the runtime wrapper on a hit
+    rw = _unserializable(_cell(fwd, "compiled_fn"))
     if getattr(rw, "__qualname__", "") != "_create_runtime_wrapper.<locals>.runtime_wrapper":
         return None  # another wrapper (dedupe, synthetic base, subclasses) or none
-    graph, generated = _cell(rw, "_inner_compiled_fn"), _cell(rw, "_codegen_runtime_wrapper")
+    graph = _unserializable(_cell(rw, "_inner_compiled_fn"))
+    generated = _cell(rw, "_codegen_runtime_wrapper")
     if type(graph) is not CompiledFxGraph or generated is None:
         return None  # effect tokens, functionalised RNG, a subclass: a wrapper in between
     names = {k for k in generated.__globals__ if not k.startswith("__") and not k.startswith("_dyn_dims_")}
