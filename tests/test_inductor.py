@@ -130,3 +130,80 @@ def test_backend_inductor_logits():
     assert worst <= TOL * scale, (worst, scale)
     stages = fxb.last_stages()
     assert {s.runs_as for s in stages if s.kind is StageKind.ATTN} == {"inductor"}
+
+
+def _record_args(stages) -> dict:
+    """Wrap each compiled stage to keep the arguments of its first call (restored by the caller)."""
+    seen: dict = {}
+    for s in stages:
+        if s.compiled is not None:
+            real = s.compiled
+
+            def rec(*args, real=real, name=s.name):
+                seen.setdefault(name, (real, list(args)))
+                return real(*args)
+
+            s.compiled = rec
+    return seen
+
+
+def test_direct_stages_equal_aot_wrapper():
+    """Every compiled stage of the backend runs as Inductor's compiled graph with no AOTAutograd
+    runtime wrapper (``DirectStage``), and gives what the wrapper gives: the same values, sizes,
+    strides and dtypes, and each output the wrapper makes a view of an input shares that input's
+    storage here too."""
+    torch.manual_seed(0)
+    model = _Logits()
+    torch._dynamo.reset()
+    fxb.reset()
+    compiled = torch.compile(model, backend="fxoverlap", options={"compiler": "inductor", "progress": False})
+    (tokens, labels), = make_batches(0, CFG.vocab_size, 1)
+    torch.nn.functional.cross_entropy(compiled(tokens).flatten(0, 1), labels.flatten()).backward()
+    stages = fxb.last_stages()
+    direct = [s for s in stages if s.compiled is not None]
+    assert direct and all(isinstance(s.compiled, inductor_pass.DirectStage) for s in direct), \
+        [(s.name, type(s.compiled).__name__) for s in direct]
+    real = {s.name: s.compiled for s in direct}
+    seen = _record_args(direct)
+    torch.nn.functional.cross_entropy(compiled(tokens).flatten(0, 1), labels.flatten()).backward()
+    for s in direct:
+        s.compiled = real[s.name]
+    assert set(seen) == set(real)
+    aliases = 0
+    for name, (fn, args) in seen.items():
+        with torch.no_grad():
+            want, got = fn.artifact(*args), fn(*args)
+        assert len(got) == len(want), name
+        ptrs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for i, (w, g) in enumerate(zip(want, got)):
+            if not isinstance(w, torch.Tensor):
+                assert w == g, (name, i)
+                continue
+            assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype), (name, i)
+            assert torch.equal(g, w), (name, i)
+            if w.untyped_storage().data_ptr() in ptrs:
+                aliases += 1
+                assert g.untyped_storage().data_ptr() == w.untyped_storage().data_ptr(), (name, i)
+                assert g.storage_offset() == w.storage_offset(), (name, i)
+    assert aliases > 0  # the attn / head stages return views of their inputs (weights' transposes)
+
+
+def test_direct_stage_keeps_wrapper_for_input_mutation():
+    """A graph that writes an input keeps AOTAutograd's runtime wrapper (it writes the input
+    back); one that does not runs direct, with the same result."""
+
+    def mutating(x, y):
+        x.add_(y)
+        return (x * 2,)
+
+    def pure(x, y):
+        return (x * 2 + y,)
+
+    x, y = torch.randn(8), torch.randn(8)
+    for fn, direct in ((mutating, False), (pure, True)):
+        gm = torch.fx.symbolic_trace(fn)
+        art = torch._inductor.standalone_compile(gm, [x.clone(), y], dynamic_shapes="from_example_inputs")
+        got = inductor_pass.direct_stage(art, 1)
+        assert (got is not None) is direct, fn.__name__
+        if direct:
+            assert torch.equal(got(x, y)[0], art(x, y)[0])
