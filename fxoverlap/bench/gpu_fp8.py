@@ -208,13 +208,15 @@ def numerics() -> dict:
 # ---------------------------------------------------------------- 3. speed
 
 
-def speed(out_dir: str, budget_s: float, link_gbps: float, layers: int) -> dict:
+def speed(out_dir: str, budget_s: float, link_gbps: float, layers: int, microbatches: int = 8,
+          row_timeout_s: float = 900.0) -> dict:
     from fxoverlap.bench.commands import self_command
     from fxoverlap.bench.rows import Runner, Step
 
-    runner = Runner(out_dir, "fp8_speed", budget_s=budget_s, est_s=240.0, timeout_s=900.0)
+    runner = Runner(out_dir, "fp8_speed", budget_s=budget_s, est_s=240.0, timeout_s=row_timeout_s)
     shape = [*QWEN3_30B]
     shape[shape.index("--layers") + 1] = str(layers)
+    shape[shape.index("--microbatches") + 1] = str(microbatches)
     common = [*shape, "--emulate-ep", "8", "--link-gbps", str(link_gbps), "--out", out_dir, "--no-trace",
               "--no-timeline", "--no-grad-check"]
     rows = {"bf16": ("model", "compile,fxoverlap", []), "fp8": ("fp8_rowwise", "compile,fxoverlap", []),
@@ -318,6 +320,8 @@ def main() -> None:
     p.add_argument("--parts", default="kernels,numerics,speed,curve")
     p.add_argument("--link-gbps", type=float, default=100.0)
     p.add_argument("--layers", type=int, default=2, help="layers of the speed rows' model")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches of the speed rows")
+    p.add_argument("--row-timeout", type=float, default=900.0, help="seconds per speed row (one process each)")
     p.add_argument("--budget", type=float, default=0.0, help="seconds for the speed rows (0: no budget)")
     p.add_argument("--steps", type=int, default=200, help="steps of the loss curve")
     a = p.parse_args()
@@ -332,7 +336,7 @@ def main() -> None:
         result["torchao"] = torchao.__version__
     except ImportError:
         pass
-    parts = {"kernels": kernels, "numerics": numerics, "speed": lambda: speed(out_dir, a.budget, a.link_gbps, a.layers),
+    parts = {"kernels": kernels, "numerics": numerics, "speed": lambda: speed(out_dir, a.budget, a.link_gbps, a.layers, a.microbatches, a.row_timeout),
              "curve": lambda: curve(out_dir, a.steps)}
     for name in filter(None, (s.strip() for s in a.parts.split(","))):
         t0 = time.time()
