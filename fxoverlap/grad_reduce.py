@@ -40,7 +40,6 @@ from fxoverlap.ir.capture import Capture
 from fxoverlap.ir.bucket import Bucket
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.kernels.a2a import GroupStandIn
-from fxoverlap.kernels.emulated_link import EmulatedDPGroup
 
 
 class GradReduceConfigError(FxOverlapError, ValueError):
@@ -59,6 +58,14 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def emulated_dp(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is an emulated DP group: a group stand-in (``a2a.GroupStandIn``) that
+    sizes the shards (``emulated_size``: M) and runs the collectives (``collective(op, nbytes,
+    device, local) -> work``), as ``kernels.emulated_link.EmulatedDPGroup`` does. Production code
+    never imports the emulated link (the group is injected, as the EP stand-in is)."""
+    return isinstance(group, GroupStandIn) and callable(getattr(group, "collective", None))
+
+
 def dp_collective(op: str, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup):
     """Issue the data-parallel collective ``op`` (``"all_reduce"`` of ``out`` in place,
     ``"reduce_scatter"`` of ``inp`` into ``out``, ``"all_gather"`` of ``inp`` into ``out``)
@@ -67,7 +74,7 @@ def dp_collective(op: str, out: torch.Tensor, inp: torch.Tensor, group: dist.Pro
     on one device): there the group runs a local stand-in of the data (this rank is rank 0 of M
     and every virtual rank holds the same values: a sum of M equal copies, the local shard tiled
     M times) and holds a stream for the bytes a real one would move; any other group, torch's."""
-    if isinstance(group, EmulatedDPGroup):
+    if emulated_dp(group):
         m = group.emulated_size
         if op == "all_reduce":
             return group.collective(op, 2 * out.numel() * out.element_size(), out.device, lambda: out.mul_(m))
@@ -109,7 +116,7 @@ class ReduceGroups:
     @property
     def emulated(self) -> bool:
         """Whether ``dp_group`` is an emulated group (one rank standing in for DP M)."""
-        return isinstance(self.dp_group, EmulatedDPGroup)
+        return emulated_dp(self.dp_group)
 
 
 def _ranks(group: dist.ProcessGroup, name: str, caller: str = "fxoverlap.optimize") -> tuple[int, ...]:
@@ -145,7 +152,7 @@ def check_groups(
         return None
     if not dist.is_initialized():
         raise GradReduceConfigError(f"{caller}: dp_group given but torch.distributed is not initialized")
-    if isinstance(dp_group, EmulatedDPGroup):
+    if emulated_dp(dp_group):
         return _emulated_groups(ep_group, dp_group, expert_dp_group, caller)
     me, world = dist.get_rank(), dist.get_world_size()
     dp = _ranks(dp_group, "dp_group", caller)
@@ -186,7 +193,7 @@ def check_groups(
     return ReduceGroups(dp_group, None if len(edp) == 1 else expert_dp_group, dp, edp)
 
 
-def _emulated_groups(ep_group: dist.ProcessGroup | None, dp_group: EmulatedDPGroup,
+def _emulated_groups(ep_group: dist.ProcessGroup | None, dp_group: GroupStandIn,
                      expert_dp_group: dist.ProcessGroup | None, caller: str) -> ReduceGroups:
     """The groups of one rank standing in for DP M (``dp_group`` an ``EmulatedDPGroup``) on a
     world of one rank: the virtual ranks ``range(M)``, this rank 0. The experts' group, as
@@ -205,7 +212,7 @@ def _emulated_groups(ep_group: dist.ProcessGroup | None, dp_group: EmulatedDPGro
         return ReduceGroups(dp_group, dp_group, m, m)
     if expert_dp_group is None:
         return ReduceGroups(dp_group, None, m, (0,))
-    if not isinstance(expert_dp_group, EmulatedDPGroup) or dp_group.emulated_size % expert_dp_group.emulated_size:
+    if not emulated_dp(expert_dp_group) or dp_group.emulated_size % expert_dp_group.emulated_size:
         raise GradReduceConfigError(
             f"{caller}: with an emulated dp_group of {len(m)} ranks, expert_dp_group is None (M_e = 1) or an "
             f"EmulatedDPGroup whose size M_e divides {len(m)}; got {expert_dp_group!r}")
@@ -281,7 +288,7 @@ class GradReduction:
         (a hang, or sums of unrelated gradients): compare a digest once, at the first bind."""
         for role in ("dense", "expert"):
             group, ranks = self.groups.of(role)
-            if group is None or len(ranks) == 1 or isinstance(group, EmulatedDPGroup):  # (one real rank)
+            if group is None or len(ranks) == 1 or emulated_dp(group):  # (one real rank)
                 continue
             digest = hashlib.sha256(repr(_layout([b for b in buckets if b.role == role])).encode()).digest()
             mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)

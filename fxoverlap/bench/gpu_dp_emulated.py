@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -80,8 +81,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(args: argparse.Namespace, mode: str, device: torch.device) -> dict:
-    """One mode's row (see the module docstring)."""
+def measure(args: argparse.Namespace, mode: str, device: torch.device,
+            inspect: Callable[..., None] | None = None) -> dict:
+    """One mode's row (see the module docstring); ``inspect(engine, model, dp_group, dp_link)``,
+    if given, runs before the engine closes (the tests read the units and buckets there)."""
     from fxoverlap.bench.gpu_dp import SHAPES, make_batches
 
     _init(device)
@@ -191,6 +194,8 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device) -> dict:
                 _sync(device)
                 times.append((time.perf_counter() - t) * 1e3)
         row["gather_parameters_ms"] = statistics.median(times)
+    if inspect is not None:
+        inspect(engine, model, dp_group, dp_link)
     engine.close()
     return row
 
