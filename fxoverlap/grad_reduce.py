@@ -77,12 +77,12 @@ def dp_collective(op: str, out: torch.Tensor, inp: torch.Tensor, group: dist.Pro
     if emulated_dp(group):
         m = group.emulated_size
         if op == "all_reduce":
-            return group.collective(op, 2 * out.numel() * out.element_size(), out.device, lambda: out.mul_(m))
+            return group.collective(op, 2 * out.numel() * out.element_size(), out.device, lambda: out.mul_(m), (out,))
         if op == "reduce_scatter":  # rank 0's block of the sum over M equal ranks
             return group.collective(op, inp.numel() * inp.element_size(), out.device,
-                                    lambda: torch.mul(inp[:out.numel()], m, out=out))
+                                    lambda: torch.mul(inp[:out.numel()], m, out=out), (out, inp))
         return group.collective(op, out.numel() * out.element_size(), out.device,
-                                lambda: out.view(m, -1).copy_(inp.reshape(1, -1).expand(m, -1)))
+                                lambda: out.view(m, -1).copy_(inp.reshape(1, -1).expand(m, -1)), (out, inp))
     if op == "all_reduce":
         return dist.all_reduce(out, group=group, async_op=True)
     if op == "reduce_scatter":

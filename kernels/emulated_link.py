@@ -260,12 +260,15 @@ class EmulatedDPGroup(EmulatedGroup):
     def __repr__(self) -> str:
         return f"EmulatedDPGroup({self.group_name!r}, size={getattr(self, 'emulated_size', '?')})"
 
-    def collective(self, op: str, nbytes: int, device: torch.device, local: Callable[[], None]) -> "LocalWork":
+    def collective(self, op: str, nbytes: int, device: torch.device, local: Callable[[], None],
+                   tensors: tuple[torch.Tensor, ...] = ()) -> "LocalWork":
         """One asynchronous collective ``op`` of ``nbytes`` (the full exchange's bytes: the gathered
         buffer, the reduce-scatter's input; twice the buffer for an all-reduce): ``local()`` makes
         its data, then the hold; both on the group's stream for ``op``, which first waits for the
-        current stream (where the buffers were written). The returned work's ``wait()`` makes the
-        current stream wait for it, as a c10d Work's does."""
+        current stream (where the buffers were written); ``tensors`` (its buffers) are recorded on
+        that stream, so their blocks are not reused before it is done with them (as c10d records
+        a collective's tensors on NCCL's stream). The returned work's ``wait()`` makes the current
+        stream wait for it, as a c10d Work's does."""
         if device.type != "cuda":
             local()
             self.exchanged(op, nbytes, device)
@@ -275,6 +278,8 @@ class EmulatedDPGroup(EmulatedGroup):
         if stream is None:
             stream = self._streams[key] = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        for t in tensors:
+            t.record_stream(stream)
         with torch.cuda.stream(stream):
             local()
             self.exchanged(op, nbytes, device)
