@@ -39,6 +39,7 @@ import torch.nn as nn
 from fxoverlap.ir.capture import Capture
 from fxoverlap.ir.bucket import Bucket
 from fxoverlap.ir.errors import FxOverlapError
+from fxoverlap.kernels.a2a import GroupStandIn
 
 
 class GradReduceConfigError(FxOverlapError, ValueError):
@@ -56,12 +57,46 @@ class GradReduceError(FxOverlapError, RuntimeError):
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+
+def emulated_dp(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is an emulated DP group: a group stand-in (``a2a.GroupStandIn``) that
+    sizes the shards (``emulated_size``: M) and runs the collectives (``collective(op, nbytes,
+    device, local) -> work``), as ``kernels.emulated_link.EmulatedDPGroup`` does. Production code
+    never imports the emulated link (the group is injected, as the EP stand-in is)."""
+    return isinstance(group, GroupStandIn) and callable(getattr(group, "collective", None))
+
+
+def dp_collective(op: str, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup):
+    """Issue the data-parallel collective ``op`` (``"all_reduce"`` of ``out`` in place,
+    ``"reduce_scatter"`` of ``inp`` into ``out``, ``"all_gather"`` of ``inp`` into ``out``)
+    asynchronously over ``group``; returns its work. The one place the DP collectives meet an
+    emulated group (:class:`~fxoverlap.kernels.emulated_link.EmulatedDPGroup`, one rank of DP M
+    on one device): there the group runs a local stand-in of the data (this rank is rank 0 of M
+    and every virtual rank holds the same values: a sum of M equal copies, the local shard tiled
+    M times) and holds a stream for the bytes a real one would move; any other group, torch's."""
+    if emulated_dp(group):
+        m = group.emulated_size
+        if op == "all_reduce":
+            return group.collective(op, 2 * out.numel() * out.element_size(), out.device, lambda: out.mul_(m), (out,))
+        if op == "reduce_scatter":  # rank 0's block of the sum over M equal ranks
+            return group.collective(op, inp.numel() * inp.element_size(), out.device,
+                                    lambda: torch.mul(inp[:out.numel()], m, out=out), (out, inp))
+        return group.collective(op, out.numel() * out.element_size(), out.device,
+                                lambda: out.view(m, -1).copy_(inp.reshape(1, -1).expand(m, -1)), (out, inp))
+    if op == "all_reduce":
+        return dist.all_reduce(out, group=group, async_op=True)
+    if op == "reduce_scatter":
+        return reduce_scatter_single(out, inp, group=group, async_op=True)
+    return all_gather_single(out, inp, group=group, async_op=True)
+
 # ---------------------------------------------------------------- groups
 
 
 @dataclasses.dataclass(frozen=True)
 class ReduceGroups:
-    """The two groups gradients reduce over, checked against each other and the EP group."""
+    """The two groups gradients reduce over, checked against each other and the EP group.
+    With an emulated ``dp_group`` (:class:`~fxoverlap.kernels.emulated_link.EmulatedDPGroup`)
+    the ranks are virtual: ``range(M)``, this rank being 0 (:attr:`emulated`)."""
 
     dp_group: dist.ProcessGroup
     expert_dp_group: dist.ProcessGroup | None  # None: no other rank holds this rank's experts
@@ -77,6 +112,11 @@ class ReduceGroups:
     @property
     def dp_size(self) -> int:
         return len(self.dp_ranks)
+
+    @property
+    def emulated(self) -> bool:
+        """Whether ``dp_group`` is an emulated group (one rank standing in for DP M)."""
+        return emulated_dp(self.dp_group)
 
 
 def _ranks(group: dist.ProcessGroup, name: str, caller: str = "fxoverlap.optimize") -> tuple[int, ...]:
@@ -112,6 +152,8 @@ def check_groups(
         return None
     if not dist.is_initialized():
         raise GradReduceConfigError(f"{caller}: dp_group given but torch.distributed is not initialized")
+    if emulated_dp(dp_group):
+        return _emulated_groups(ep_group, dp_group, expert_dp_group, caller)
     me, world = dist.get_rank(), dist.get_world_size()
     dp = _ranks(dp_group, "dp_group", caller)
     if world % len(dp):
@@ -149,6 +191,33 @@ def check_groups(
             f"ep_group {list(ep)} in rank {me} only (its ranks hold rank {me}'s experts, one per EP group)"
         )
     return ReduceGroups(dp_group, None if len(edp) == 1 else expert_dp_group, dp, edp)
+
+
+def _emulated_groups(ep_group: dist.ProcessGroup | None, dp_group: GroupStandIn,
+                     expert_dp_group: dist.ProcessGroup | None, caller: str) -> ReduceGroups:
+    """The groups of one rank standing in for DP M (``dp_group`` an ``EmulatedDPGroup``) on a
+    world of one rank: the virtual ranks ``range(M)``, this rank 0. The experts' group, as
+    :func:`check_groups` says for real groups: with EP 1, ``dp_group``; under an emulated EP
+    group (a ``GroupStandIn``), ``expert_dp_group``: None for M_e = 1 (this rank's experts are
+    its own), or an ``EmulatedDPGroup`` of size M_e = M / N."""
+    if dist.get_world_size() != 1:
+        raise GradReduceConfigError(
+            f"{caller}: an emulated dp_group ({dp_group!r}) stands for DP {dp_group.emulated_size} on a world of "
+            f"one rank, but the world has {dist.get_world_size()}; pass a real dp_group on several ranks")
+    m = tuple(range(dp_group.emulated_size))
+    if ep_group is None or not isinstance(ep_group, GroupStandIn):
+        if expert_dp_group not in (None, dp_group):
+            raise GradReduceConfigError(f"{caller}: with EP 1 the experts shard over dp_group; pass "
+                                        f"expert_dp_group=None with an emulated dp_group")
+        return ReduceGroups(dp_group, dp_group, m, m)
+    if expert_dp_group is None:
+        return ReduceGroups(dp_group, None, m, (0,))
+    if not emulated_dp(expert_dp_group) or dp_group.emulated_size % expert_dp_group.emulated_size:
+        raise GradReduceConfigError(
+            f"{caller}: with an emulated dp_group of {len(m)} ranks, expert_dp_group is None (M_e = 1) or an "
+            f"EmulatedDPGroup whose size M_e divides {len(m)}; got {expert_dp_group!r}")
+    me = tuple(range(expert_dp_group.emulated_size))
+    return ReduceGroups(dp_group, None if len(me) == 1 else expert_dp_group, m, me)
 
 
 # ---------------------------------------------------------------- runtime
@@ -219,7 +288,7 @@ class GradReduction:
         (a hang, or sums of unrelated gradients): compare a digest once, at the first bind."""
         for role in ("dense", "expert"):
             group, ranks = self.groups.of(role)
-            if group is None or len(ranks) == 1:
+            if group is None or len(ranks) == 1 or emulated_dp(group):  # (one real rank)
                 continue
             digest = hashlib.sha256(repr(_layout([b for b in buckets if b.role == role])).encode()).digest()
             mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)
@@ -282,7 +351,7 @@ class GradReduction:
                 if piece.bucket == b.index:
                     mine[piece.shard_offset:piece.shard_offset + piece.view.numel()].copy_(piece.view.detach())
             full = torch.empty(b.padded_numel(len(ranks)), dtype=b.dtype, device=device)
-            gathers.append((b, full, all_gather_single(full, mine, group=group, async_op=True)))
+            gathers.append((b, full, dp_collective("all_gather", full, mine, group)))
         for b, full, work in gathers:
             work.wait()
             for s in b.slots:
@@ -382,11 +451,11 @@ class BucketReducer:
         work, out = None, flat
         if group is not None and len(ranks) > 1:
             if self._whole(b):
-                work = dist.all_reduce(flat, group=group, async_op=True)
+                work = dp_collective("all_reduce", flat, flat, group)
             else:
                 start, stop = b.shard(ranks.index(dist.get_rank()), len(ranks))
                 out = flat.new_empty(stop - start)
-                work = reduce_scatter_single(out, flat, group=group, async_op=True)
+                work = dp_collective("reduce_scatter", out, flat, group)
         elif self.owner.mode == "reduce_scatter":
             out = flat  # a one-rank group owns the whole bucket
         return self._issued(index, Pending(b, work, flat, out))
@@ -418,7 +487,7 @@ class BucketReducer:
         if n == 1:  # experts no other rank holds: nothing to reduce, only the division follows
             return self._issued(index, Pending(b, None, flat, flat.view(-1)))
         out = flat.new_empty(width)
-        work = reduce_scatter_single(out, flat.view(-1), group=group, async_op=True)
+        work = dp_collective("reduce_scatter", out, flat.view(-1), group)
         return self._issued(index, Pending(b, work, flat, out))
 
     def finish(self, pending: Pending, compute_stream=None) -> None:
@@ -462,7 +531,9 @@ class BucketReducer:
 
 
     def _finish_sharded(self, b: Bucket, out: torch.Tensor) -> None:
-        """Add this rank's rows into each DTensor parameter's ``.grad`` (a ``Shard(0)`` DTensor)."""
+        """Add this rank's rows into each DTensor parameter's ``.grad`` (a ``Shard(0)`` DTensor;
+        under an emulated ``dp_group`` the parameters are plain tensors of the shard's shape, and
+        so is their ``.grad``)."""
         from torch.distributed.tensor import DTensor
 
         n = len(self.owner.groups.of(b.role)[1])
@@ -472,8 +543,8 @@ class BucketReducer:
             p = self.params[s.value]
             local = out[at:at + k].view(s.shape[0] // n, *s.shape[1:])
             at += k
-            grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                      stride=p.stride())
+            grad = local if not isinstance(p, DTensor) else DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
             if p.grad is None:
                 p.grad = grad
             else:

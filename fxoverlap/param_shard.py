@@ -20,6 +20,16 @@ Gradients: the microbatches' local gradients of a sharded parameter accumulate i
 reduction (``fxoverlap.grad_reduce.BucketReducer``) adds them up, reduce-scatters them over
 the group in the same row layout and adds this rank's rows, divided by ``|dp_group|``, into
 the DTensor's ``.grad``.
+
+Emulated DP (a benchmark on one device): ``dp_group`` an
+:class:`~fxoverlap.kernels.emulated_link.EmulatedDPGroup` of size M on a world of one rank.
+Each sharded parameter is then 1/M of its first dimension, as a *plain* parameter of the
+shard's shape (a DTensor over a one-rank mesh whose local tensor is 1/M of its global shape
+would be inconsistent: ``full_tensor()``, redistribution and checkpoints would read it
+wrong); each gather allocates the full buffer, so the held and gathered memory are a DP-M
+rank's, but its data is the local shard tiled M times (``grad_reduce.dp_collective``), so the
+values are not the model's. The gathers and reduce-scatters hold their streams as the
+group's link says.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxoverlap.grad_reduce import GradReduceConfigError, ReduceGroups, all_gather_single
+from fxoverlap.grad_reduce import GradReduceConfigError, ReduceGroups, dp_collective
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.unit import ParamUnit
 
@@ -129,6 +139,11 @@ class ParamSharding:
         in one order: ``dist.new_group`` is collective over the world)."""
         device = next(model.parameters()).device
         mine = {"dense": self.groups.dp_ranks, "expert": self.groups.expert_dp_ranks}
+        if self.groups.emulated:  # one rank standing in for DP M: the stand-ins gather (no mesh: plain shards)
+            for role, (group, _) in (("dense", self.groups.of("dense")), ("expert", self.groups.of("expert"))):
+                if self.sharded(role):
+                    self._gather_groups[role] = group
+            return
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, tuple(r for role, r in mine.items() if self.sharded(role)))
         for ranks in sorted({r for per_rank in every for r in per_rank}):
@@ -190,11 +205,14 @@ class ParamSharding:
                                                 f"parameters; {up.fqn} is not (make it contiguous before optimize)")
                 rows = unit.rows(up)
                 local = old.detach()[rank * rows:(rank + 1) * rows].clone()
-                mesh = self._meshes[unit.role]
-                shape = (old.shape[0] * (mesh.size() // unit.ranks), *old.shape[1:])  # experts: every EP rank's
-                new = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False,
-                                                      shape=torch.Size(shape), stride=old.stride()),
-                                   requires_grad=old.requires_grad)
+                if self.groups.emulated:  # a plain parameter of the shard's shape (module docstring)
+                    new = nn.Parameter(local, requires_grad=old.requires_grad)
+                else:
+                    mesh = self._meshes[unit.role]
+                    shape = (old.shape[0] * (mesh.size() // unit.ranks), *old.shape[1:])  # experts: every EP rank's
+                    new = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False,
+                                                          shape=torch.Size(shape), stride=old.stride()),
+                                       requires_grad=old.requires_grad)
                 self.program_shapes[up.fqn] = old.shape
                 for mod, name in holders[id(old)]:
                     mod._parameters[name] = new
@@ -268,9 +286,9 @@ class ParamSharding:
                 self._stream = torch.cuda.Stream(device)
             self._stream.wait_stream(torch.cuda.current_stream(device))  # send is written, recv allocated
             with torch.cuda.stream(self._stream):
-                work = all_gather_single(recv, send, group=group, async_op=True)
+                work = dp_collective("all_gather", recv, send, group)
         else:
-            work = all_gather_single(recv, send, group=group, async_op=True)
+            work = dp_collective("all_gather", recv, send, group)
         self._pending[index] = (work, recv, send)
         if self.trace is not None:
             self.trace.append(("gather", index, time.perf_counter(), None))

@@ -219,6 +219,98 @@ class EmulatedGroup(GroupStandIn):
             time.sleep(seconds)
 
 
+class EmulatedDPGroup(EmulatedGroup):
+    """One rank of data parallelism over ``size`` = M ranks on this device (rank 0 of M; the
+    others are virtual): pass it as ``dp_group`` (and, for expert parameters sharded over
+    M_e > 1 ranks under an emulated EP group, another of size M_e as ``expert_dp_group``) on a
+    world of one rank. ``fxoverlap.grad_reduce.check_groups`` then sizes the shards and the
+    gradient buckets for M ranks, and every DP collective (``grad_reduce.dp_collective``, the
+    one chokepoint: ZeRO-3's unshard all-gather, its reduce-scatter, ZeRO-2's reduce-scatter
+    and all-reduce) calls :meth:`collective` instead of ``torch.distributed``.
+
+    :meth:`collective` runs a local stand-in of the data (every virtual rank holds what this one
+    does: an all-gather tiles the local shard M times, a reduce-scatter / all-reduce sums M
+    equal copies), so the buffers are real (the gathered parameters' memory is the full size)
+    while the values are not the model's, and then holds a stream of the group's own for
+    ``link.seconds(nbytes)`` = ``latency + nbytes * (M - 1) / M / bandwidth`` (the link's
+    ``ep`` is M): as NCCL runs an async collective on its communicator's internal stream, so the
+    hold never queues the EP all-to-all or the program's comm stream behind it. One stream per
+    ``op`` name (the gathers have a communicator of their own in the real path too)."""
+
+    def __init__(self, size: int, link: Link | None = None, name: str | None = None):
+        if size < 1:
+            raise LinkError(f"emulated DP group: the size M must be >= 1, got {size}")
+        super().__init__(None, name or f"fxoverlap_emulated_dp_{next(_names)}")
+        self.emulated_size = size
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
+        self.link = link
+
+    @property
+    def link(self) -> Link | None:
+        """The emulated DP link (``Link(..., ep=M)``; None: the collectives hold nothing)."""
+        return self._link
+
+    @link.setter
+    def link(self, link: Link | None) -> None:
+        if link is not None and isinstance(link, Link) and link.ep != getattr(self, "emulated_size", link.ep):
+            raise LinkError(f"{self!r}: the link's group size (Link.ep={link.ep}) must be the emulated DP size "
+                            f"{self.emulated_size}: Link(gbps, ep={self.emulated_size})")
+        EmulatedGroup.link.fset(self, link)
+
+    def __repr__(self) -> str:
+        return f"EmulatedDPGroup({self.group_name!r}, size={getattr(self, 'emulated_size', '?')})"
+
+    def collective(self, op: str, nbytes: int, device: torch.device, local: Callable[[], None],
+                   tensors: tuple[torch.Tensor, ...] = ()) -> "LocalWork":
+        """One asynchronous collective ``op`` of ``nbytes`` (the full exchange's bytes: the gathered
+        buffer, the reduce-scatter's input; twice the buffer for an all-reduce): ``local()`` makes
+        its data, then the hold; both on the group's stream for ``op``, which first waits for the
+        current stream (where the buffers were written); ``tensors`` (its buffers) are recorded on
+        that stream, so their blocks are not reused before it is done with them (as c10d records
+        a collective's tensors on NCCL's stream). The returned work's ``wait()`` makes the current
+        stream wait for it, as a c10d Work's does."""
+        if device.type != "cuda":
+            local()
+            self.exchanged(op, nbytes, device)
+            return LocalWork(None, device)
+        key = (op, device.index)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        for t in tensors:
+            t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            local()
+            self.exchanged(op, nbytes, device)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return LocalWork(done, device)
+
+
+class LocalWork:
+    """What :meth:`EmulatedDPGroup.collective` returns: the part of a c10d ``Work`` the
+    reductions and gathers use (``wait``, ``is_completed``, ``get_future``)."""
+
+    def __init__(self, done: torch.cuda.Event | None, device: torch.device):
+        self._done, self._device = done, device
+
+    def wait(self) -> bool:
+        """The current stream waits for the collective (on CPU it is done already)."""
+        if self._done is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._done)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done is None or self._done.query()
+
+    def get_future(self) -> torch.futures.Future:
+        """A completed future (the trace's "done" is the issue time: the hold's end is on the GPU)."""
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
 # ---------------------------------------------------------------- the hold's stand-in (tests)
 
 _standin: Callable[[str, int, float, torch.device], None] | None = None

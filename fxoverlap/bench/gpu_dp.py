@@ -27,6 +27,9 @@ rank each gather is a one-rank collective, so this checks the parameter stream's
 synchronisation on a GPU, not the sharding's saving. Rank 0 prints ``DP {json}`` lines and writes
 ``DIR/gpu_dp.json``. On CPU (``--device cpu``, gloo) it runs as a smoke test.
 
+``--emulate-dp M`` (one process, no torchrun): ZeRO-2 against ZeRO-3 as one rank of DP M x EP N
+with emulated links, :mod:`fxoverlap.bench.gpu_dp_emulated`.
+
 Run on the lent machine (2 GPUs), e.g.:
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m fxoverlap.bench dp --out $OUT
@@ -41,6 +44,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -64,7 +68,7 @@ SHAPES = {
 MODES = ("all_reduce", "reduce_scatter")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="peer")
     p.add_argument("--routing", choices=("dropless", "capacity", "dedup"), default="dropless")
@@ -80,7 +84,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--csan", action="store_true", help="one step of each mode under CSAN, at the end")
     p.add_argument("--shard-params", action="store_true", help="also a ZeRO-3 engine (EP 1 only)")
     p.add_argument("--out", default="bench_out/gpu_dp")
-    return p.parse_args()
+    from fxoverlap.bench.gpu_dp_emulated import add_args
+
+    add_args(p)
+    return p.parse_args(argv)
 
 
 def setup(args) -> torch.device:
@@ -163,6 +170,11 @@ def median_ms(step, model, engine, device, warmup: int, iters: int, timed=None) 
 
 def main() -> None:
     args = parse_args()
+    if args.emulate_dp is not None:  # one process, one rank of DP M x EP N (gpu_dp_emulated.py)
+        from fxoverlap.bench import gpu_dp_emulated
+
+        gpu_dp_emulated.main(args, sys.argv[1:])
+        return
     device = setup(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     emit_rows: list[dict] = []
