@@ -209,7 +209,7 @@ class Engine:
         with overflow_guard(cap, self.model):
             sharding = self.sharding
             if sharding is not None:
-                sharding.check_hooks(tensors.params)
+                sharding.check_params(tensors.params)
             grads = accumulate_into(tensors, cap, post_hooks=not reduced, held=None if sharding is None else sharding.held,
                                     sharded=frozenset() if sharding is None else sharding.fqns | sharding.local_only)
             state = prog.run(static_values(cap, tensors), mbs, on_error=self._abort_group, grads=grads,

@@ -249,11 +249,21 @@ class ParamSharding:
         return ranks.index(dist.get_rank())
 
     # ---------------------------------------------------------------- each run
-    def check_hooks(self, params: Mapping[str, torch.Tensor]) -> None:
-        """A tensor hook (``p.register_hook``) on a sharded parameter would never see its
-        gradient (the local one is summed aside and reduce-scattered): refused by name."""
+    def check_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Each run: every sharded parameter is still its shard (a DTensor; under the emulated
+        DP group a plain tensor of the shard's shape), and carries no tensor hook (it would never
+        see its gradient: the local one is summed aside and reduce-scattered). Refused by name."""
+        DTensor, _ = _dtensor()
         for fqn in self.fqns | self.local_only:
-            if params[fqn]._backward_hooks:
+            p = params[fqn]
+            if not self.groups.emulated and not isinstance(p, DTensor):
+                raise ShardParamsError(
+                    f"fxoverlap: {fqn} is a plain {type(p).__name__} of shape {list(p.shape)}, but "
+                    f"OverlapConfig(shard_params=True) made it a DTensor shard at the first step: something "
+                    f"replaced it since, e.g. model.load_state_dict(sd, assign=True) with full tensors. Load "
+                    f"with assign=False (each shard is copied in place from the full tensor), or through "
+                    f"torch.distributed.checkpoint (dcp.load / set_model_state_dict), which keeps the shards")
+            if p._backward_hooks:
                 raise ShardParamsError(
                     f"fxoverlap: {fqn} has a tensor hook (p.register_hook), but with OverlapConfig(shard_params=True) "
                     f"its gradient is reduce-scattered into the DTensor's .grad without passing through it; use "

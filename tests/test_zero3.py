@@ -106,6 +106,20 @@ def test_errors_name_the_problem():
     assert e["optimizer_stepped_before"].startswith("ShardParamsError") and "SGD" in e["optimizer_stepped_before"]
 
 
+def test_one_rank_world_shards_and_refuses_assigned_full_tensors():
+    """World of one rank: sharded all the same (DTensors over one-rank meshes, one gather per
+    unit use), two steps bitwise eager's; a full state dict loaded with ``assign=True`` is
+    refused by name at the next step."""
+    (out,) = run_distributed(zero3_cases.one_rank, world_size=1)
+    assert set(out["types"].values()) == {"DTensor"}
+    assert out["gathers"] > 0
+    assert all(d["expert"] == d["dense"] == 0.0 and not d["missing"] and not d["extra"]
+               for d in out["grad_diff"]), out["grad_diff"]
+    assert all(p == 0.0 for p in out["param_diff"]), out["param_diff"]
+    assert out["assign_error"].startswith("ShardParamsError") and "assign=True" in out["assign_error"]
+    assert "norm.weight is a plain Parameter of shape [64]" in out["assign_error"]
+
+
 # ---------------------------------------------------------------- single process: the pass
 
 

@@ -577,3 +577,22 @@ def edge(rank: int, world: int, names=EDGE) -> dict:
             out[name] = dict(error=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-1500:])
         dist.barrier()
     return out
+
+
+def one_rank(rank: int, world: int) -> dict:
+    """A world of one rank: the shards are the whole parameters over one-rank meshes, the gathers
+    one-rank collectives (how one GPU runs the parameter stream's code); two SGD steps against
+    eager; then ``load_state_dict(full, assign=True)`` puts plain tensors where the shards were."""
+    out = compare_steps(rank, lambda ep: _model(ep), None, None)
+    engine, model, ref_model = out.pop("engine"), out.pop("model"), out.pop("ref_model")
+    out.pop("units")
+    out["gathers"] = sum(1 for n in engine.program.graph.nodes if n.op == "call_function" and n.target is unshard)
+    full = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
+    model.load_state_dict(full, assign=True)
+    try:
+        engine.forward_backward(make_batches(rank, 64, 2, seed=9))
+        out["assign_error"] = None
+    except Exception as e:  # noqa: BLE001 (the test reads the type and message)
+        out["assign_error"] = f"{type(e).__name__}: {e}"
+    engine.close()
+    return out
