@@ -346,7 +346,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 class PaddedGroups(NamedTuple):
     """What :func:`pad_groups` returns; :func:`unpad_groups` takes it back."""
 
-    x: torch.Tensor  # [R + G * (align - 1), D]: group g's rows from a multiple of align, zeros elsewhere
+    x: torch.Tensor  # [R + G * (align - 1), rounded up to align; D]: group g's rows from a multiple of align, zeros elsewhere
     tokens_per_expert: torch.Tensor  # [G] each group's rows rounded up to align (cumsum: aligned offsets)
     index: torch.Tensor  # [R] the padded row of each real row
 
