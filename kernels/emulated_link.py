@@ -179,7 +179,12 @@ class EmulatedGroup(GroupStandIn):
     def link(self, link: Link | None) -> None:
         if link is not None and not isinstance(link, Link):
             raise LinkError(f"{self!r}: the link is an emulated_link.Link or None, got {type(link).__name__}")
+        if link is not None:
+            self._check_link(link)
         self._link = link
+
+    def _check_link(self, link: Link) -> None:
+        """A subclass's further condition on its link (raises :class:`LinkError`)."""
 
     @contextlib.contextmanager
     def using(self, link: Link | None) -> Iterator[Link | None]:
@@ -245,17 +250,11 @@ class EmulatedDPGroup(EmulatedGroup):
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self.link = link
 
-    @property
-    def link(self) -> Link | None:
-        """The emulated DP link (``Link(..., ep=M)``; None: the collectives hold nothing)."""
-        return self._link
-
-    @link.setter
-    def link(self, link: Link | None) -> None:
-        if link is not None and isinstance(link, Link) and link.ep != getattr(self, "emulated_size", link.ep):
+    def _check_link(self, link: Link) -> None:
+        """The DP link's group size is M (``Link(gbps, ep=M)``)."""
+        if link.ep != self.emulated_size:
             raise LinkError(f"{self!r}: the link's group size (Link.ep={link.ep}) must be the emulated DP size "
                             f"{self.emulated_size}: Link(gbps, ep={self.emulated_size})")
-        EmulatedGroup.link.fset(self, link)
 
     def __repr__(self) -> str:
         return f"EmulatedDPGroup({self.group_name!r}, size={getattr(self, 'emulated_size', '?')})"

@@ -168,14 +168,11 @@ def _names(stage) -> set:
     return {n.target for n in stage.graph_module.graph.nodes if n.op == "call_function"}
 
 
-def test_optimize_fp8_matches_eager_with_the_same_ops(fp8_here):
-    torch.manual_seed(0)
-    cfg = MoEConfig.tiny(n_layers=2)
-    base = MoETransformer(cfg, None).to(torch.bfloat16)
-    mbs = token_batches(cfg.vocab_size, 3, (2, 16))
+def _bitwise_eager_fp8(base, group, mbs, **cfg):
+    """An engine with FP8 experts on a copy of ``base``, one step; its losses and gradients
+    asserted bitwise equal to eager's with the same FP8 ops. Returns (engine, eager losses)."""
     m = copy.deepcopy(base)
-    engine = fxoverlap.optimize(m, None, fxoverlap.OverlapConfig(expert_dtype="fp8_rowwise", delay_wgrad=True,
-                                                               progress=False))
+    engine = fxoverlap.optimize(m, group, fxoverlap.OverlapConfig(expert_dtype="fp8_rowwise", progress=False, **cfg))
     losses = engine.forward_backward(mbs)
     grads = take_grads(m)
     ref = copy.deepcopy(base)
@@ -184,6 +181,15 @@ def test_optimize_fp8_matches_eager_with_the_same_ops(fp8_here):
     ref_grads = take_grads(ref)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    return engine, ref_losses
+
+
+def test_optimize_fp8_matches_eager_with_the_same_ops(fp8_here):
+    torch.manual_seed(0)
+    cfg = MoEConfig.tiny(n_layers=2)
+    base = MoETransformer(cfg, None).to(torch.bfloat16)
+    mbs = token_batches(cfg.vocab_size, 3, (2, 16))
+    engine, ref_losses = _bitwise_eager_fp8(base, None, mbs, delay_wgrad=True)
     stages = {s.name: s for s in engine.stages}
     assert fp8_ops.GROUPED_MM_FP8_OP in _names(stages["fwd_l0_experts"])
     assert fp8_ops.GROUPED_MM_FP8_WGRAD_OP in _names(stages["bwd_l0_experts_wgrad"])
@@ -208,17 +214,7 @@ def test_fp8_composes_with_chunks_delay_wgrad_and_user_ac(fp8_here, ac):
     cfg = MoEConfig.tiny(n_layers=2, n_experts=8, activation_checkpoint=ac)
     base = MoETransformer(cfg, group).to(torch.bfloat16)
     mbs = token_batches(cfg.vocab_size, 3, (2, 16))
-    m = copy.deepcopy(base)
-    engine = fxoverlap.optimize(m, group, fxoverlap.OverlapConfig(
-        expert_dtype="fp8_rowwise", chunks=2, delay_wgrad=True, compiler="eager", progress=False))
-    losses = engine.forward_backward(mbs)
-    grads = take_grads(m)
-    ref = copy.deepcopy(base)
-    with fp8_ops.expert_math("fp8_rowwise"):
-        ref_losses = eager_steps(ref, mbs)
-    ref_grads = take_grads(ref)
-    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
-    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    engine, _ = _bitwise_eager_fp8(base, group, mbs, chunks=2, delay_wgrad=True, compiler="eager")
     experts = [s for s in engine.stages if "experts" in s.name]
     assert any("_c1" in s.name for s in experts), [s.name for s in experts]
     assert all(fp8_ops.GROUPED_MM_FP8_OP in _names(s) or fp8_ops.GROUPED_MM_FP8_WGRAD_OP in _names(s)
