@@ -164,8 +164,10 @@ def _timed(fn, iters: int) -> tuple[float, list[float], object]:
     return t_first, times, last
 
 
-def run_real_one(name: str, mode: str, iters: int) -> dict:
-    """One (model, mode) in this process: eager reference, then the mode; see the module docstring."""
+def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = None) -> dict:
+    """One (model, mode) in this process: eager reference, then the mode; see the module docstring.
+    ``stage_options``: Inductor options for fxoverlap's compiled stages (``OverlapConfig.compile_options``,
+    the backend's ``options``), e.g. ``{"cpp_wrapper": True}``; ``torch.compile``'s row keeps its defaults."""
     from fxoverlap.kernels import emulated_link
 
     fxoverlap.enable_dynamic_output_shapes()  # dropless dispatch stays in torch.compile's graph
@@ -175,7 +177,7 @@ def run_real_one(name: str, mode: str, iters: int) -> dict:
     _, ep, experts, _ = REAL[name]
     link = emulated_link.Link(GBPS, ep=ep, experts=experts, name=f"{GBPS:g}GB/s")
     group = emulated_link.EmulatedGroup(link)  # the EP group: one rank here, every exchange holds as EP-N's
-    row = dict(model=name, mode=mode, layers=LAYERS, tokens=f"{N_MB} x 1 x {SEQ}", dtype="bfloat16",
+    row = dict(model=name, mode=mode, layers=LAYERS, stage_options=stage_options or {}, tokens=f"{N_MB} x 1 x {SEQ}", dtype="bfloat16",
                link=f"emulated EP {ep}, {GBPS:g} GB/s", torch=torch.__version__)
     g = torch.Generator().manual_seed(0)
     mbs = [torch.randint(0, VOCAB_REAL, (1, SEQ), generator=g).cuda() for _ in range(N_MB)]
@@ -216,15 +218,15 @@ def run_real_one(name: str, mode: str, iters: int) -> dict:
         import fxoverlap.backend as fxb
 
         fxb.reset()
-        step = fwd_bwd(torch.compile(model, backend="fxoverlap"))
+        step = fwd_bwd(torch.compile(model, backend="fxoverlap", options=dict(stage_options or {})))
     elif mode == "optimize":
-        engine = fxoverlap.optimize(model, group)
+        engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(compile_options=stage_options))
 
         def step():
             model.zero_grad(set_to_none=True)
             return engine.forward_backward(mbs, loss_fn=hf_cases.next_token_loss)
     else:
-        engine = fxoverlap.optimize(model, group)
+        engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(compile_options=stage_options))
 
         def step():
             with torch.no_grad():

@@ -157,9 +157,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--nolink", action="store_true", help="the emulated group holds nothing")
     ap.add_argument("--deep", action="store_true", help="cProfile of one step; idle gaps charged to ops")
+    ap.add_argument("--stage-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an Inductor option for fxoverlap's stages (torch.compile's row keeps its defaults), "
+                         "e.g. cpp_wrapper=1 (Inductor's C++ wrapper launches the kernels); repeatable")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    tag = f"{args.model}_{args.mode}{'_nolink' if args.nolink else ''}"
+    stage_options = {}
+    for kv in args.stage_option:
+        key, _, value = kv.partition("=")
+        stage_options[key] = {"1": True, "true": True, "0": False, "false": False}.get(value.lower(), value)
+    tag = f"{args.model}_{args.mode}{'_nolink' if args.nolink else ''}" + "".join(
+        f"_{k}" for k, v in stage_options.items() if v)
     if args.nolink:
         from fxoverlap.kernels import emulated_link
         emulated_link.Link = lambda *a, **k: None  # run_real_one builds EmulatedGroup(Link(...)): None holds nothing
@@ -199,7 +207,7 @@ def main() -> None:
         return first, times, last
 
     h._timed = timed_with_profile  # run_real_one times its steps through it
-    row = h.run_real_one(args.model, args.mode, args.iters)
+    row = h.run_real_one(args.model, args.mode, args.iters, stage_options)
     row["tag"] = tag
     print("RESULT " + json.dumps(row), flush=True)
     with open(os.path.join(args.out, "rows.jsonl"), "a") as f:
