@@ -254,7 +254,7 @@ class ParamSharding:
         DP group a plain tensor of the shard's shape), and carries no tensor hook (it would never
         see its gradient: the local one is summed aside and reduce-scattered). Refused by name."""
         DTensor, _ = _dtensor()
-        for fqn in self.fqns | self.local_only:
+        for fqn in sorted(self.fqns | self.local_only):  # (sorted: the first one named is always the same)
             p = params[fqn]
             if not self.groups.emulated and not isinstance(p, DTensor):
                 raise ShardParamsError(
