@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -53,6 +54,11 @@ def _worker(rank: int, world_size: int, port: int, payload: bytes, env: dict[str
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # Test ranks trace graphs on a heap that holds all of torch: freeze what the fork server
+    # imported (later collections skip it) and collect cycles less often, as tests/conftest.py
+    # does for the pytest process (the collector's passes cost several % of a rank's time).
+    gc.freeze()
+    gc.set_threshold(20000, 20, 20)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn, args = pickle.loads(payload)

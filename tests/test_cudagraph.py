@@ -84,6 +84,22 @@ def _run(model, config, mbs):
     return engine, losses, _grads(model)
 
 
+# One reference engine (no graphs) per model: the tests only read its program and its results,
+# and a capture costs seconds, so they share it (its model keeps _model's seed-0 weights: no
+# optimizer step runs on it, and _grads clears its gradients after each call).
+_REFERENCES: dict[tuple, fxoverlap.Engine] = {}
+
+
+def _reference(routing: str, mbs, **kw):
+    """``_run(_model(routing, **kw), OverlapConfig(), mbs)`` on a shared engine."""
+    key = (routing, tuple(sorted(kw.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = fxoverlap.optimize(_model(routing, **kw), None, fxoverlap.OverlapConfig())
+    engine = _REFERENCES[key]
+    losses = engine.forward_backward(mbs)
+    return engine, losses, _grads(engine.model)
+
+
 # ---------------------------------------------------------------- the pass
 
 
@@ -132,7 +148,7 @@ def test_free_frees_graph_outputs_as_without_graphs():
     model = _model("capacity")
     with pytest.warns(UserWarning):
         engine, _, _ = _run(model, fxoverlap.OverlapConfig(cuda_graphs=True), _batches(3, 256))
-    plain, _, _ = _run(_model("capacity"), fxoverlap.OverlapConfig(), _batches(3, 256))
+    plain, _, _ = _reference("capacity", _batches(3, 256))
 
     def frees(e):
         return [(n.args, n.prev.name) for n in e.program.graph.nodes
@@ -148,7 +164,7 @@ def test_free_frees_graph_outputs_as_without_graphs():
 
 def test_cpu_noop_one_warning_bitwise():
     mbs = _batches(3, 256)
-    _, ref_losses, ref_grads = _run(_model("capacity"), fxoverlap.OverlapConfig(), mbs)
+    _, ref_losses, ref_grads = _reference("capacity", mbs)
     model = _model("capacity")
     engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
     with pytest.warns(UserWarning, match="no effect on cpu"):
@@ -306,7 +322,7 @@ def fake_cuda(monkeypatch):
 def test_replay_logic_bitwise(fake_cuda, routing, n):
     mbs = _batches(n, 256, seed=n)
     model = _model(routing)
-    _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(), mbs)
+    _, ref_losses, ref_grads = _reference(routing, mbs)
     engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
     for step in range(3):  # step 0 captures, later steps replay
         losses = engine.forward_backward(mbs)
@@ -348,7 +364,7 @@ def test_one_copy_would_corrupt(fake_cuda, monkeypatch):
     """With a single copy per stage, F(i+1) overwrites what B(i) still needs."""
     mbs = _batches(3, 256, seed=7)
     model = _model("capacity")
-    _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(), mbs)
+    _, ref_losses, ref_grads = _reference("capacity", mbs)
     monkeypatch.setattr(cg, "in_flight_depth", lambda program: 1)
     engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
     engine.forward_backward(mbs)
@@ -425,7 +441,7 @@ def test_graphs_keep_no_capture_tensor_alive(fake_cuda, monkeypatch):
     monkeypatch.setattr(_Graph, "__init__", _graph_init_without_outs)
     mbs = _batches(4, 256, seed=13)
     model = _model("capacity")
-    _, ref_losses, ref_grads = _run(model, fxoverlap.OverlapConfig(), mbs)
+    _, ref_losses, ref_grads = _reference("capacity", mbs)
     engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
     _steps_bitwise(engine, model, mbs, ref_losses, ref_grads, steps=1)
     gc.collect()
