@@ -346,7 +346,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 class PaddedGroups(NamedTuple):
     """What :func:`pad_groups` returns; :func:`unpad_groups` takes it back."""
 
-    x: torch.Tensor  # [R + G * (align - 1), rounded up to align; D]: group g's rows from a multiple of align, zeros elsewhere
+    x: torch.Tensor  # [R + G * (align - 1), D]: group g's rows from a multiple of align, zeros elsewhere
     tokens_per_expert: torch.Tensor  # [G] each group's rows rounded up to align (cumsum: aligned offsets)
     index: torch.Tensor  # [R] the padded row of each real row
 
@@ -354,10 +354,8 @@ class PaddedGroups(NamedTuple):
 def pad_groups(x: torch.Tensor, tokens_per_expert: torch.Tensor, align: int) -> PaddedGroups:
     """Rows of ``x`` (grouped by expert, ``tokens_per_expert[G]`` rows each) laid out so that each
     group starts at a multiple of ``align`` rows. No host read: the padded row count is the bound
-    ``R + G * (align - 1)`` rounded up to a multiple of ``align`` (the rows past the last group are
-    zeros no group reads; the rounding because the FP8 weight gradient reads the rows transposed,
-    whose row stride ``torch._scaled_grouped_mm`` wants a multiple of 16 bytes), and the rows move by
-    one scatter (a copy: the values are exact)."""
+    ``R + G * (align - 1)`` (the rows past the last group are zeros no group reads), and the rows
+    move by one scatter (a copy: the values are exact)."""
     rows, groups = x.shape[0], tokens_per_expert.shape[0]
     counts = tokens_per_expert.to(torch.int64)
     padded = (counts + align - 1) // align * align
@@ -365,8 +363,7 @@ def pad_groups(x: torch.Tensor, tokens_per_expert: torch.Tensor, align: int) -> 
     padded_start = torch.cumsum(padded, 0) - padded
     group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts, output_size=rows)
     index = torch.arange(rows, device=x.device) + (padded_start - start).index_select(0, group)
-    bound = -(-(rows + groups * (align - 1)) // align) * align
-    out = x.new_zeros(bound, *x.shape[1:]).index_copy(0, index, x)
+    out = x.new_zeros(rows + groups * (align - 1), *x.shape[1:]).index_copy(0, index, x)
     return PaddedGroups(out, padded.to(tokens_per_expert.dtype), index)
 
 

@@ -297,17 +297,25 @@ class ParamSharding:
             self._stream.wait_stream(torch.cuda.current_stream(device))  # send is written, recv allocated
             with torch.cuda.stream(self._stream):
                 work = dp_collective("all_gather", recv, send, group)
+                # Ordered after the collective's issue on this stream: the reader's stream waits on it
+                # besides work.wait(), which orders it after NCCL's own stream only. Without it the
+                # CUDA sanitizer, which sees the collective issued on this stream and knows nothing of
+                # NCCL's, reports the experts stage's read of the gathered weight as a race.
+                issued = torch.cuda.Event()
+                issued.record(self._stream)
         else:
-            work = dp_collective("all_gather", recv, send, group)
-        self._pending[index] = (work, recv, send)
+            work, issued = dp_collective("all_gather", recv, send, group), None
+        self._pending[index] = (work, recv, send, issued)
         if self.trace is not None:
             self.trace.append(("gather", index, time.perf_counter(), None))
 
     def finish_gather(self, index: int) -> dict[str, torch.Tensor]:
         """Wait for unit ``index``'s gather (the current stream waits) and return its full
         parameters by name, each a contiguous tensor of its own."""
-        work, recv, _ = self._pending.pop(index)
+        work, recv, _, issued = self._pending.pop(index)
         work.wait()
+        if issued is not None:
+            torch.cuda.current_stream(recv.device).wait_event(issued)
         unit = self.units[index]
         blocks = recv.view(unit.ranks, unit.shard_numel)
         out = {up.fqn: blocks[:, up.offset:up.offset + unit.shard_elems(up)].reshape(up.shape)

@@ -125,6 +125,19 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``x[group g]^T @ dy[group g]`` in FP8 (per-group column scales), bf16 ``[G, K, N]``."""
+    """``x[group g]^T @ dy[group g]`` in FP8 (per-group column scales), bf16 ``[G, K, N]``; an
+    empty group's gradient is exact zeros (chunks add the chunks' gradients up)."""
+    rows = x.shape[0]
+    if rows % ALIGN:
+        # the product reads the quantized rows transposed (column-major [rows, C]), and
+        # torch._scaled_grouped_mm wants that row stride a multiple of 16 bytes: zero rows past
+        # the last group, which no group reads. Done here, where the row count is a number (the
+        # experts stage's graph knows it only as an unbacked symbol).
+        pad = ALIGN - rows % ALIGN
+        x, dy = torch.nn.functional.pad(x, (0, 0, 0, pad)), torch.nn.functional.pad(dy, (0, 0, 0, pad))
     xq, xs, dq, ds = _quantize_group_pair(x, dy, offs)
-    return scaled_grouped_mm(xq.t(), dq, xs, ds, offs)
+    out = scaled_grouped_mm(xq.t(), dq, xs, ds, offs)
+    if out.is_cuda:  # torch._scaled_grouped_mm leaves an empty group's block unwritten (seen on an H200)
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+        out = torch.where((sizes > 0)[:, None, None], out, 0)
+    return out

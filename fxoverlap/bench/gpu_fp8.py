@@ -160,7 +160,8 @@ def numerics() -> dict:
     seen: dict[int, tuple] = {}
     ref16 = copy.deepcopy(base)
     hooks = [layer.moe.experts.register_forward_hook(
-        lambda mod, args, res, i=i: seen.setdefault(i, (args[0].detach(), args[1].detach(), res.shape)))
+        lambda mod, args, res, i=i: None if seen.setdefault(i, (args[0].detach(), args[1].detach(), res.shape))
+        else None)  # (a forward hook that returns a value replaces the module's output)
         for i, layer in enumerate(ref16.layers) if hasattr(layer, "moe")]
     l16 = eager_steps(ref16, mbs)
     g16 = take_grads(ref16)
