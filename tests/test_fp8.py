@@ -342,8 +342,9 @@ def test_bench_flag_and_speed_summary(tmp_path):
     for name, scale in (("bf16", 2.0), ("fp8", 1.0)):
         mode = {"T_compute_ms": 10 * scale, "step_ms": 12 * scale, "hidden_share": 0.5}
         row = {"modes": {"compile": mode, "fxoverlap": mode},
-               "stage_timing": {"stage_ms": {"fwd_l0_experts": 3 * scale, "bwd_l0_experts": 4 * scale,
-                                             "bwd_l0_experts_wgrad": 1 * scale, "fwd_l0_attn": 5.0}}}
+               # the keys as the bench writes them (seen in the H200 run's JSON): <F|B><microbatch>_<stage>
+               "stage_timing": {"stage_ms": {"F0_l0_experts_c0": 3 * scale, "B0_l0_experts_c0": 4 * scale,
+                                             "B0_l0_experts_c0_wgrad": 1 * scale, "F0_l0_attn": 5.0}}}
         (tmp_path / f"fp8_speed_{name}.json").write_text(json.dumps(row))
     s = summarize(str(tmp_path), 100.0)
     assert s["rows"]["fp8"]["experts_stage_ms"] == {"fwd": 3.0, "bwd": 5.0, "total": 8.0}

@@ -229,8 +229,10 @@ def speed(out_dir: str, budget_s: float, link_gbps: float, layers: int, microbat
 
 
 def _experts_ms(stage_ms: dict) -> dict:
-    fwd = sum(v for k, v in stage_ms.items() if "experts" in k and k.startswith("fwd"))
-    bwd = sum(v for k, v in stage_ms.items() if "experts" in k and k.startswith("bwd"))
+    """The experts stages' ms per step, by direction; the bench's stage keys are ``<F|B><mb>_<stage>``
+    (``F0_l0_experts_c0``, ``B3_l1_experts_c1_wgrad``)."""
+    fwd = sum(v for k, v in stage_ms.items() if "_experts" in k and k.startswith("F"))
+    bwd = sum(v for k, v in stage_ms.items() if "_experts" in k and k.startswith("B"))
     return {"fwd": fwd, "bwd": bwd, "total": fwd + bwd}
 
 
