@@ -11,6 +11,7 @@ import pickle
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,6 +67,7 @@ def _worker(rank: int, world_size: int, port: int, payload: bytes, env: dict[str
     except BaseException as e:  # report, don't hang the other rank's join
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    _leave_together(rank, world_size)
     dist.destroy_process_group()
     # The result is on disk: leave without the interpreter's teardown, where a library
     # thread still running can abort the process ("terminate called without an active
@@ -73,6 +75,18 @@ def _worker(rank: int, world_size: int, port: int, payload: bytes, env: dict[str
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _leave_together(rank: int, world_size: int, timeout_s: float = 60.0) -> None:
+    """Rank 0 hosts the job's TCPStore: it leaves only once every rank is done with the store
+    (or after ``timeout_s``), so a rank still creating a group through the store does not see
+    "Broken pipe" (seen once: ``dist.new_group`` on rank 1 after rank 0 had returned)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("fxoverlap_ranks_done", 1)
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while store.add("fxoverlap_ranks_done", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 @contextlib.contextmanager
