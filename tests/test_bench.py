@@ -198,6 +198,7 @@ def test_stage_timer_records_what_the_link_held():
     assert set(timer.times) == {"F0_l0_dispatch", "F0_l0_experts"}
 
 
+@pytest.mark.slow  # a benchmark run on CPU (the slow step runs it)
 def test_slot_balance_script_on_a_stored_run(tmp_path):
     """The slot-balance subcommand on the stored H200 stage timing (4 microbatches, no link): the program
     rebuilt on CPU matches the JSON's nodes, and the lost share adds up."""
@@ -412,6 +413,7 @@ def test_rows_and_emulated_dry_run_commands(tmp_path):
     assert [r.name for r in rows.parse_rows(["a|m|8\n\n b | m | 4 | x=1 | --f | E=1"])] == ["a", "b"]
 
 
+@pytest.mark.slow  # a benchmark run on CPU (the slow step runs it)
 def test_rows_cpu_one_process_per_row(tmp_path):
     """A real row on CPU (tiny shape, emulated EP 2) in its own process, its table excerpt in the log,
     and the emulated table of the folder."""

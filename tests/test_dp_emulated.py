@@ -72,6 +72,7 @@ def _seconds(link: list, nbytes: int) -> float:
     return latency_us * 1e-6 + nbytes * (m - 1) / m / (gbps * 1e9)
 
 
+@pytest.mark.slow  # a benchmark run on CPU (the slow step runs it)
 def test_zero3_emulated_shards_are_one_mth_and_every_unshard_holds_for_its_bytes():
     out = _run("zero3")
     row, info = out["row"], out["inspect"]
@@ -102,6 +103,7 @@ def test_zero3_emulated_shards_are_one_mth_and_every_unshard_holds_for_its_bytes
     assert row["ep_hold_ms"] > 0 and row["gathered_peak_bytes"] >= max(info["unit_bytes"])
 
 
+@pytest.mark.slow  # a benchmark run on CPU (the slow step runs it)
 def test_zero2_emulated_reduce_scatters_hold_for_the_padded_buckets():
     out = _run("zero2")
     row, info = out["row"], out["inspect"]

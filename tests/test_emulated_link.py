@@ -328,6 +328,7 @@ def test_bench_flags():
             parse_args(bad)
 
 
+@pytest.mark.slow  # a benchmark run on CPU (the slow step runs it)
 def test_bench_cpu_emulated_smoke(tmp_path):
     """``--tiny --device cpu --emulate-ep 2 --link nvlink`` in one process (no torchrun), with
     a counting stand-in (no sleeps); every figure from the link says it is emulated."""
