@@ -110,15 +110,21 @@ class _Logits(torch.nn.Module):
         return self.model(tokens)
 
 
-def test_backend_inductor_logits():
-    torch.manual_seed(0)
-    eager = _Logits()
+def _compiled_logits():
+    """(model, its fxoverlap-backend compile with Inductor stages, tokens, labels), seed 0."""
     torch.manual_seed(0)
     model = _Logits()
     torch._dynamo.reset()
     fxb.reset()
     compiled = torch.compile(model, backend="fxoverlap", options={"compiler": "inductor", "progress": False})
     (tokens, labels), = make_batches(0, CFG.vocab_size, 1)
+    return model, compiled, tokens, labels
+
+
+def test_backend_inductor_logits():
+    torch.manual_seed(0)
+    eager = _Logits()
+    model, compiled, tokens, labels = _compiled_logits()
     ref = torch.nn.functional.cross_entropy(eager(tokens).flatten(0, 1), labels.flatten())
     ref.backward()
     with warnings.catch_warnings():
@@ -152,12 +158,7 @@ def test_direct_stages_equal_aot_wrapper():
     runtime wrapper (``DirectStage``), and gives what the wrapper gives: the same values, sizes,
     strides and dtypes, and each output the wrapper makes a view of an input shares that input's
     storage here too."""
-    torch.manual_seed(0)
-    model = _Logits()
-    torch._dynamo.reset()
-    fxb.reset()
-    compiled = torch.compile(model, backend="fxoverlap", options={"compiler": "inductor", "progress": False})
-    (tokens, labels), = make_batches(0, CFG.vocab_size, 1)
+    _, compiled, tokens, labels = _compiled_logits()
     torch.nn.functional.cross_entropy(compiled(tokens).flatten(0, 1), labels.flatten()).backward()
     stages = fxb.last_stages()
     direct = [s for s in stages if s.compiled is not None]
