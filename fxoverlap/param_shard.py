@@ -311,7 +311,8 @@ class ParamSharding:
 
     def finish_gather(self, index: int) -> dict[str, torch.Tensor]:
         """Wait for unit ``index``'s gather (the current stream waits) and return its full
-        parameters by name, each a contiguous tensor of its own."""
+        parameters by name, each contiguous: copied out of the rank-major buffer (with one rank,
+        a view of it, freed with the unit's last tensor)."""
         work, recv, _, issued = self._pending.pop(index)
         work.wait()
         if issued is not None:
