@@ -85,6 +85,7 @@ class ParamSharding:
         self.local_only: frozenset[str] = frozenset()  # DTensors over EP alone: read in place, not gathered
         self.units: tuple[ParamUnit, ...] | None = None
         self.fqns: frozenset[str] = frozenset()  # the sharded parameters
+        self._checked: tuple[str, ...] = ()  # what check_params reads each run, in a fixed order
         self.held: dict[str, torch.Tensor] = {}  # this run's local gradients of sharded parameters
         self.trace: list | None = None
         self._gather_groups: dict[str, dist.ProcessGroup] = {}
@@ -130,6 +131,7 @@ class ParamSharding:
             replaced.update(self._wrap_in_place(model, [e for e in experts if e not in self.program_shapes]))
         # every name of a sharded parameter (a tied one's gradient arrives under each of its names)
         self.units, self.fqns = units, frozenset(name for u in units for p in u.params for name in p.names)
+        self._checked = tuple(sorted(self.fqns | self.local_only))  # (sorted: errors name the same one)
         log.info("fxoverlap: sharded %d parameters into %d units in %.2f s (%s)", len(self.fqns), len(units),
                  time.perf_counter() - t0, ", ".join(u.name for u in units))
         _retarget_optimizers(replaced)
@@ -254,7 +256,7 @@ class ParamSharding:
         DP group a plain tensor of the shard's shape), and carries no tensor hook (it would never
         see its gradient: the local one is summed aside and reduce-scattered). Refused by name."""
         DTensor, _ = _dtensor()
-        for fqn in sorted(self.fqns | self.local_only):  # (sorted: the first one named is always the same)
+        for fqn in self._checked:
             p = params[fqn]
             if not self.groups.emulated and not isinstance(p, DTensor):
                 raise ShardParamsError(

@@ -33,6 +33,7 @@ On CPU (``--device cpu``, ``--shape tiny``) it is a smoke run (the holds sleep).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 import fxoverlap
 from fxoverlap.bench.cli import emulated_config, routing_fields
+from fxoverlap.bench.gpu_dp import sync
 from fxoverlap.ir.program import program_of, unshard
 from fxoverlap.kernels.emulated_link import EmulatedDPGroup, EmulatedGroup, Link
 from fxoverlap.models import MoETransformer
@@ -74,11 +76,6 @@ def _init(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise SystemExit(f"--emulate-dp runs one rank in one process; got a world of {dist.get_world_size()}")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(args: argparse.Namespace, mode: str, device: torch.device,
@@ -123,34 +120,34 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
 
     t0 = time.perf_counter()
     step()  # capture, compile, shard (ZeRO-3), no links
-    _sync(device)
+    sync(device)
     first_s = time.perf_counter() - t0
     clear()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
     def timed(ep_on: bool, dp_on: bool) -> dict:
-        links = (ep_group.using(ep_link if ep_on else None) if ep_group is not None else _null(),
+        links = (ep_group.using(ep_link if ep_on else None) if ep_group is not None else contextlib.nullcontext(),
                  dp_group.using(dp_link if dp_on else None))
         with links[0], links[1]:
             for _ in range(args.warmup):
                 clear()
                 step()
-            _sync(device)
+            sync(device)
             dp_group.stats.reset()
             if ep_group is not None:
                 ep_group.stats.reset()
             times = []
             for _ in range(args.iters):
                 clear()
-                _sync(device)
+                sync(device)
                 t = time.perf_counter()
                 if device.type == "cuda":
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                     step()
                     end.record()
-                    _sync(device)
+                    sync(device)
                     times.append(start.elapsed_time(end))
                 else:
                     step()
@@ -188,24 +185,16 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
         with dp_group.using(dp_link):
             times = []
             for _ in range(max(args.iters, 1)):
-                _sync(device)
+                sync(device)
                 t = time.perf_counter()
                 engine.gather_parameters()
-                _sync(device)
+                sync(device)
                 times.append((time.perf_counter() - t) * 1e3)
         row["gather_parameters_ms"] = statistics.median(times)
     if inspect is not None:
         inspect(engine, model, dp_group, dp_link)
     engine.close()
     return row
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _hidden(t_step: float, t_without: float, hold: float) -> float | None:

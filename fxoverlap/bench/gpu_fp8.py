@@ -159,10 +159,13 @@ def numerics() -> dict:
     # eager bf16, capturing each experts stage's inputs
     seen: dict[int, tuple] = {}
     ref16 = copy.deepcopy(base)
-    hooks = [layer.moe.experts.register_forward_hook(
-        lambda mod, args, res, i=i: None if seen.setdefault(i, (args[0].detach(), args[1].detach(), res.shape))
-        else None)  # (a forward hook that returns a value replaces the module's output)
-        for i, layer in enumerate(ref16.layers) if hasattr(layer, "moe")]
+    def keep_inputs(i):
+        def hook(mod, args, res) -> None:  # returns None: a hook's return value would replace the output
+            seen.setdefault(i, (args[0].detach(), args[1].detach(), res.shape))
+        return hook
+
+    hooks = [layer.moe.experts.register_forward_hook(keep_inputs(i))
+             for i, layer in enumerate(ref16.layers) if hasattr(layer, "moe")]
     l16 = eager_steps(ref16, mbs)
     g16 = take_grads(ref16)
     for h in hooks:
