@@ -213,7 +213,7 @@ def numerics() -> dict:
 
 
 def speed(out_dir: str, budget_s: float, link_gbps: float, layers: int, microbatches: int = 8,
-          row_timeout_s: float = 900.0) -> dict:
+          row_timeout_s: float = 900.0, only: str = "") -> dict:
     from fxoverlap.bench.commands import self_command
     from fxoverlap.bench.rows import Runner, Step
 
@@ -226,6 +226,8 @@ def speed(out_dir: str, budget_s: float, link_gbps: float, layers: int, microbat
     rows = {"bf16": ("model", "compile,fxoverlap", []), "fp8": ("fp8_rowwise", "compile,fxoverlap", []),
             "torchao_fp8": ("torchao_fp8", "compile", ["--no-stage-timing"])}
     for name, (math, modes, extra) in rows.items():
+        if only and name not in only.split(","):
+            continue
         runner.run(Step(f"fp8_speed_{name}", self_command("run", *common, "--expert-math", math, "--modes", modes,
                                                           "--name", f"fp8_speed_{name}", *extra)))
     return summarize(out_dir, link_gbps) | {"failed": runner.failed}
@@ -329,6 +331,8 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=8, help="microbatches of the speed rows")
     p.add_argument("--row-timeout", type=float, default=900.0, help="seconds per speed row (one process each)")
     p.add_argument("--budget", type=float, default=0.0, help="seconds for the speed rows (0: no budget)")
+    p.add_argument("--rows", default="", help="the speed rows run (bf16,fp8,torchao_fp8; default all): "
+                   "the others' JSON already in the folder is still summarized")
     p.add_argument("--steps", type=int, default=200, help="steps of the loss curve")
     a = p.parse_args()
     out_dir = os.path.dirname(os.path.abspath(a.out))
@@ -342,7 +346,7 @@ def main() -> None:
         result["torchao"] = torchao.__version__
     except ImportError:
         pass
-    parts = {"kernels": kernels, "numerics": numerics, "speed": lambda: speed(out_dir, a.budget, a.link_gbps, a.layers, a.microbatches, a.row_timeout),
+    parts = {"kernels": kernels, "numerics": numerics, "speed": lambda: speed(out_dir, a.budget, a.link_gbps, a.layers, a.microbatches, a.row_timeout, a.rows),
              "curve": lambda: curve(out_dir, a.steps)}
     for name in filter(None, (s.strip() for s in a.parts.split(","))):
         t0 = time.time()
