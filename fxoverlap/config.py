@@ -189,6 +189,14 @@ class OverlapConfig:
             ``grad_reduce`` says). Build the optimizer on ``model.parameters()`` after the first
             ``plan`` / step (one built before it, and not stepped yet, is updated in place).
             No CUDA graphs (a gathered parameter's memory changes every step).
+        keep_gathered_mb: with ``shard_params``, how many MiB of gathered parameters the
+            program may hold at once so as to keep a unit gathered between two of its uses
+            instead of dropping and gathering it again (FSDP2's ``reshard_after_forward=False``,
+            bounded): ``0`` (the default) drops each unit after every use (the least memory:
+            at most the units in use and one gather ahead, ``engine.plan`` prints how many);
+            ``float("inf")`` gathers each unit once per step. In between, the shortest gaps are
+            kept first while the gathered parameters stay within the budget. Each kept gap
+            saves one all-gather of the unit's bytes over ``dp_group``.
         reduce_bucket_mb: gradients are reduced in flat buckets of at least this
             many MiB (25, as DDP's ``bucket_cap_mb``), each issued as soon as its
             gradients are final; ``0``: one bucket per backward stage and group.
@@ -286,6 +294,10 @@ class OverlapConfig:
         BACKEND: "the backend reduces no gradients over data parallelism (optimize(..., dp_group=..., "
                  "config=OverlapConfig(shard_params=True)) shards the parameters)",
         PIPELINE: "pipeline_schedule does not shard parameters yet; use grad_reduce='reduce_scatter' (ZeRO-2) there"})
+    keep_gathered_mb: float = _field(0.0, "program", refused_by={
+        BACKEND: "the backend does not shard parameters (optimize(..., dp_group=..., "
+                 "config=OverlapConfig(shard_params=True)) does)",
+        PIPELINE: "pipeline_schedule does not shard parameters yet"})
     chunks: int | None = _field(None, "stages")
     chunks_in_merged_steps: bool = _field(False, "program", refused_by=dict.fromkeys(
         (BACKEND, PIPELINE), "its programs run one microbatch at a time, so they have no merged steps (their "
@@ -352,6 +364,12 @@ class OverlapConfig:
         if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
             raise ConfigError(f"OverlapConfig.expert_dtype must be one of {EXPERT_DTYPES} or None (the model's "
                               f"dtype), got {self.expert_dtype!r}")
+        if not self.keep_gathered_mb >= 0:
+            raise ConfigError(f"OverlapConfig.keep_gathered_mb must be >= 0 (MiB; float('inf'): each unit gathered "
+                              f"once per step), got {self.keep_gathered_mb}")
+        if self.keep_gathered_mb and not self.shard_params:
+            raise ConfigError("OverlapConfig.keep_gathered_mb keeps sharded parameters gathered between uses: it needs "
+                              "shard_params=True")
         if not self.reduce_bucket_mb >= 0:
             raise ConfigError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")
 

@@ -323,7 +323,7 @@ class ParamSharding:
         blocks = recv.view(unit.ranks, unit.shard_numel)
         out = {up.fqn: blocks[:, up.offset:up.offset + unit.shard_elems(up)].reshape(up.shape)
                for up in unit.params}
-        self.live_bytes += gathered_bytes(unit)
+        self.live_bytes += unit.nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         if self.trace is not None:
             self.trace.append(("wait", index, time.perf_counter(), None))
@@ -332,7 +332,7 @@ class ParamSharding:
 
     def dropped(self, index: int) -> None:
         """Unit ``index``'s tensors left the stores (``reshard``)."""
-        self.live_bytes -= gathered_bytes(self.units[index])
+        self.live_bytes -= self.units[index].nbytes
         if self.trace is not None:
             alive = sum(r() is not None for r in self._alive.pop(index, []))
             self.trace.append(("drop", index, time.perf_counter(), alive))
@@ -451,8 +451,3 @@ def _retarget_optimizers(replaced: Mapping[int, nn.Parameter]) -> None:
 def shard_bytes(unit: ParamUnit) -> int:
     """Bytes one rank holds of ``unit``."""
     return unit.shard_numel * torch.empty((), dtype=unit.dtype).element_size()
-
-
-def gathered_bytes(unit: ParamUnit) -> int:
-    """Bytes of ``unit``'s full parameters."""
-    return sum(math.prod(p.shape) for p in unit.params) * torch.empty((), dtype=unit.dtype).element_size()

@@ -193,7 +193,8 @@ def _reduce(st: PassState) -> None:
 
 
 def _shard(st: PassState) -> None:
-    st.program = shard(st.program, st.stages, st.capture, st.units)
+    st.program = shard(st.program, st.stages, st.capture, st.units,
+                       keep_gathered_bytes=st.config.keep_gathered_mb * 2**20)
 
 
 def _streams(st: PassState) -> None:

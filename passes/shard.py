@@ -132,7 +132,7 @@ def param_units(capture: Capture, ranks: Mapping[str, int],
 
 
 def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Capture,
-          units: Sequence[ParamUnit]) -> torch.fx.GraphModule:
+          units: Sequence[ParamUnit], keep_gathered_bytes: float = 0) -> torch.fx.GraphModule:
     graph = program.graph
     by_name = {s.name: s for s in stages}
     placeholder = {fqn: ph for ph, fqn in capture.param_placeholders.items()}
@@ -166,6 +166,8 @@ def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Captu
         else:
             uses.append([first, last])
     _keep_through_short_gaps(per_unit, order)
+    if keep_gathered_bytes > 0:
+        _keep_within(per_unit, order, {u.index: u.nbytes for u in units}, keep_gathered_bytes)
 
     # 3. placement
     uses = sorted(((first, last, u, i) for u, us in per_unit.items() for i, (first, last) in enumerate(us)),
@@ -194,16 +196,16 @@ def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Captu
         with graph.inserting_before(at):
             graph.call_function(program_ops.unshard, (u,))
 
-    # 4. the most units gathered at once
-    live = peak = 0
+    # 4. the most units (and bytes) gathered at once
+    live = peak = live_bytes = peak_bytes = 0
     for n in graph.nodes:
         if n.target is program_ops.unshard:
-            live += 1
-            peak = max(peak, live)
+            live, live_bytes = live + 1, live_bytes + units[n.args[0]].nbytes
+            peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
         elif n.target is program_ops.reshard:
-            live -= 1
+            live, live_bytes = live - 1, live_bytes - units[n.args[0]].nbytes
     record = program_of(program)
-    record.units, record.gathered_peak = tuple(units), peak
+    record.units, record.gathered_peak, record.gathered_peak_bytes = tuple(units), peak, peak_bytes
     program.recompile()
     return program
 
@@ -222,6 +224,47 @@ def _keep_through_short_gaps(per_unit: dict[int, list[list[torch.fx.Node]]], ord
                 break
         else:
             return
+
+
+def _intervals(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict) -> list[tuple[float, float, int]]:
+    """``(start, end, unit)`` of every use as step 3 places its nodes, in positions of ``order``:
+    gathered from one use ahead (before the first reader of the previous uses to start, or
+    right after the unit's previous drop, whichever is later) to right after its last reader."""
+    uses = sorted(((order[f], order[l], u, i) for u, us in per_unit.items() for i, (f, l) in enumerate(us)))
+    out, prev_first, ahead = [], None, -1.0
+    for first, last, u, i in uses:
+        if prev_first is not None and first != prev_first:
+            ahead = prev_first - 0.5
+        start = ahead if i == 0 else max(ahead, order[per_unit[u][i - 1][1]] + 0.5)
+        out.append((start, last + 0.5, u))
+        if first != prev_first:
+            prev_first = first
+    return out
+
+
+def _peak_bytes(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict, nbytes: Mapping[int, int]) -> int:
+    events = sorted((x, kind, u) for s, e, u in _intervals(per_unit, order) for x, kind in ((s, 1), (e, 0)))
+    live = peak = 0
+    for _, kind, u in events:  # at a tie a drop comes first: the nodes run drop, then gather
+        live += nbytes[u] if kind else -nbytes[u]
+        peak = max(peak, live)
+    return peak
+
+
+def _keep_within(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict, nbytes: Mapping[int, int],
+                 budget: float) -> None:
+    """Keep units gathered between uses while the gathered bytes stay within ``budget`` (or
+    the placement's own peak, if that is higher): each merge saves one gather of the unit.
+    Greedy, the shortest gaps first (the least memory held per gather saved)."""
+    cap = max(budget, _peak_bytes(per_unit, order, nbytes))
+    gaps = sorted(((order[us[i][0]] - order[us[i - 1][1]], u, us[i][0]) for u, us in per_unit.items()
+                   for i in range(1, len(us))), key=lambda g: (g[0], order[g[2]]))
+    for _, u, first in gaps:
+        uses = per_unit[u]
+        i = next(k for k, use in enumerate(uses) if use[0] is first)
+        merged = [*uses[:i - 1], [uses[i - 1][0], uses[i][1]], *uses[i + 1:]]
+        if _peak_bytes({**per_unit, u: merged}, order, nbytes) <= cap:
+            per_unit[u] = merged
 
 
 def _before(graph: torch.fx.Graph, a: torch.fx.Node, b: torch.fx.Node) -> bool:

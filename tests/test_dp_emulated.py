@@ -22,7 +22,7 @@ import json, sys, torch
 from fxoverlap.bench import gpu_dp, gpu_dp_emulated
 from fxoverlap.ir.program import program_of, unshard
 from fxoverlap.kernels import emulated_link as el
-from fxoverlap.param_shard import gathered_bytes, shard_bytes
+from fxoverlap.param_shard import shard_bytes
 
 args = gpu_dp.parse_args(sys.argv[2:])
 out = {}
@@ -36,8 +36,8 @@ def inspect(engine, model, dp_group, link):
         # the gathered buffer: M shards, each padded to ALIGN elements (passes/shard.py)
         info["unshard_bytes"] = [shard_bytes(units[n.args[0]]) * units[n.args[0]].ranks
                                  for n in prog.graph.nodes if n.target is unshard]
-        info["unshard_param_bytes"] = [gathered_bytes(units[n.args[0]]) for n in prog.graph.nodes if n.target is unshard]
-        info["unit_bytes"] = sorted({gathered_bytes(u) for u in units})
+        info["unshard_param_bytes"] = [units[n.args[0]].nbytes for n in prog.graph.nodes if n.target is unshard]
+        info["unit_bytes"] = sorted({u.nbytes for u in units})
         named = dict(model.named_parameters(remove_duplicate=False))
         info["params"] = {fqn: [list(named[fqn].shape), list(shape), type(named[fqn]).__name__]
                           for fqn, shape in engine.sharding.program_shapes.items()}

@@ -34,7 +34,7 @@ def _everything() -> list[dict]:
     return run_distributed(zero3_cases.everything, world_size=4)
 
 
-CASES = ["delay={},chunks={},ac={}".format(*c) for c in zero3_cases.TRAIN]
+CASES = [zero3_cases.case_name(*c) for c in zero3_cases.TRAIN]
 
 
 def _train(case: str) -> list[dict]:
@@ -63,8 +63,12 @@ def test_every_gather_runs_ahead_of_its_reader_and_is_dropped_once(case):
     # the program's first gather has nothing before it; every other one at least one stage
     assert row["ahead"][0] == 0 and min(row["ahead"][1:]) >= 1, row["ahead"]
     assert all(gathers == drops for gathers, drops in row["per_unit"].values()), row["per_unit"]
-    # 1F1B: a forward and a backward layer's units in use, and one gather ahead
-    assert 2 <= row["peak"] <= 5, row["peak"]
+    if "keep=inf" in case:  # each unit gathered once per step
+        assert {g for g, _ in row["per_unit"].values()} == {1}, row["per_unit"]
+        assert row["peak"] == len(row["units"]), row
+    else:  # 1F1B: a forward and a backward layer's units in use, and one gather ahead
+        assert 2 <= row["peak"] <= 5, row["peak"]
+        assert max(g for g, _ in row["per_unit"].values()) > 1, row["per_unit"]
 
 
 @pytest.mark.slow
@@ -132,12 +136,12 @@ def _capture(ac: bool = False):
     return model, cap
 
 
-def _program(n: int = 3, static: bool = True):
+def _program(n: int = 3, static: bool = True, keep: float = 0):
     _, cap = _capture()
     gm = tag(cap)
     stages = split(gm, cap.num_layers, static=frozenset(cap.static_placeholders) if static else None)
     units = param_units(cap, {"dense": 2, "expert": 2})
-    return cap, stages, units, shard(schedule(stages, cap, n), stages, cap, units)
+    return cap, stages, units, shard(schedule(stages, cap, n), stages, cap, units, keep_gathered_bytes=keep)
 
 
 def test_units_follow_layers_and_roles():
@@ -175,10 +179,18 @@ def test_no_stage_reads_a_value_made_of_a_parameter_from_another_stage():
                     i.op == "placeholder" and i.name in static for i in src.all_input_nodes)), (s.name, node.name)
 
 
-def test_placement_snapshot_invariants():
+def _gathers(program) -> int:
+    return sum(1 for n in program.graph.nodes if n.target is unshard)
+
+
+@pytest.mark.parametrize("keep", [0, 1, "half", float("inf")])
+def test_placement_snapshot_invariants(keep):
     """Every reader of a unit's parameters runs between its wait and its drop; each gather is
-    issued at least one stage before its wait (the program's first excepted)."""
-    cap, _, units, program = _program()
+    issued at least one stage before its wait (the program's first excepted); with a
+    ``keep_gathered_mb`` budget too (bytes here: 1 byte keeps only what costs no extra peak)."""
+    if keep == "half":
+        keep = sum(u.nbytes for u in _program()[2]) / 2
+    cap, _, units, program = _program(keep=keep)
     placeholder = {fqn: ph for ph, fqn in cap.param_placeholders.items()}
     ph_unit = {placeholder[p.fqn]: u.index for u in units for p in u.params}
     gathered, issued, stages_since = set(), {}, 0
@@ -200,10 +212,31 @@ def test_placement_snapshot_invariants():
             needed = {ph_unit[v] for v in step.reads if v in ph_unit}
             assert needed <= gathered, (node.name, needed - gathered)
     assert not gathered and not issued
-    assert program_of(program).gathered_peak <= 5
+    assert program_of(program).gathered_peak <= (5 if keep < float("inf") else len(units))
     from fxoverlap.passes.manager import format_plan
 
     assert format_plan(program).endswith(f"at most {program_of(program).gathered_peak} of 6 parameter units gathered")
+
+
+def test_keep_gathered_budget_trades_gathers_for_memory():
+    """A larger budget never gathers more, never holds more than the budget (or the placement's
+    own peak); no budget: every unit once per microbatch and direction at most; unbounded: each
+    unit once per step."""
+    cap, stages, units, base = _program()
+    total = sum(u.nbytes for u in units)
+    base_peak = program_of(base).gathered_peak_bytes
+    assert max(u.nbytes for u in units) <= base_peak < total
+    rows = []
+    for keep in sorted((0, 1, base_peak * 1.25, total / 1.2, total * 2, float("inf"))):
+        program = shard(schedule(stages, cap, 3), stages, cap, units, keep_gathered_bytes=keep)
+        rows.append((keep, _gathers(program), program_of(program).gathered_peak_bytes))
+    assert rows[0][1] == _gathers(base) <= len(units) * 3 * 2
+    for (keep, gathers, peak), (_, more, _) in zip(rows[1:], rows):
+        assert gathers <= more, rows
+        assert peak <= max(keep, base_peak), rows
+    assert rows[1][2] == base_peak and rows[1][1] < rows[0][1], rows  # merges that cost no peak
+    assert rows[-1][1] == rows[-2][1] == len(units) and rows[-1][2] == total, rows
+    assert rows[1][1] > rows[3][1] > len(units), rows  # in between: some gaps kept, not all
 
 
 def test_param_units_refuse_undivisible_parameters():
@@ -217,6 +250,10 @@ def test_config_refuses_cuda_graphs_autotune_and_front_ends():
         fxoverlap.OverlapConfig(shard_params=True, cuda_graphs=True)
     with pytest.raises(fxoverlap.ConfigError, match="autotune"):
         fxoverlap.OverlapConfig(shard_params=True, autotune=True)
+    with pytest.raises(fxoverlap.ConfigError, match="keep_gathered_mb.*needs shard_params=True"):
+        fxoverlap.OverlapConfig(keep_gathered_mb=100)
+    with pytest.raises(fxoverlap.ConfigError, match="keep_gathered_mb must be >= 0"):
+        fxoverlap.OverlapConfig(shard_params=True, keep_gathered_mb=-1)
     from fxoverlap.config import refused_fields
 
     assert "shard_params" in refused_fields(fxoverlap.OverlapConfig(shard_params=True), "backend")

@@ -11,7 +11,8 @@ default: they are whole), each unshard gathers a real full-size buffer whose dat
 shard tiled M times (the values are not the model's), and every DP collective holds a stream of
 its own for ``latency + bytes * (M - 1) / M / bandwidth`` (``--dp-link`` GB/s per rank).
 
-Per mode (``zero2``: ``grad_reduce="reduce_scatter"``; ``zero3``: ``shard_params=True``), one
+Per mode (``zero2``: ``grad_reduce="reduce_scatter"``; ``zero3``: ``shard_params=True``;
+``zero3@MB``: with ``keep_gathered_mb=MB``, e.g. ``zero3@inf``: each unit gathered once per step), one
 child process each (the peak memory of one mode per process; ``--one-process`` runs them in
 this one, resetting the peak between modes), the median ``forward_backward`` time of three link
 settings after a compile step with no links:
@@ -55,6 +56,17 @@ from fxoverlap.models import MoETransformer
 MODES = ("zero2", "zero3")
 
 
+def parse_mode(mode: str) -> tuple[str, float] | None:
+    """``("zero2", 0)``, ``("zero3", keep_gathered_mb)`` (``zero3``: 0; ``zero3@MB``: MB), or
+    ``None`` for a name that is neither."""
+    name, _, keep = mode.partition("@")
+    try:
+        mb = float(keep) if keep else 0.0
+    except ValueError:
+        return None
+    return (name, mb) if name == "zero3" or (name == "zero2" and not keep) else None
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """The emulation's flags (on ``bench dp``'s parser)."""
     g = p.add_argument_group("emulated DP (one process: one rank of DP M x EP N; gpu_dp_emulated.py)")
@@ -65,7 +77,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--emulate-ep", type=int, default=8, metavar="N", help="emulated EP size (default 8)")
     g.add_argument("--link-gbps", type=float, default=100.0, help="the emulated EP link, GB/s (default 100)")
     g.add_argument("--link-latency-us", type=float, default=20.0)
-    g.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of zero2,zero3")
+    g.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of zero2,zero3,zero3@MB (OverlapConfig.keep_gathered_mb=MB, "
+                                                                "e.g. zero3@inf: each unit gathered once per step)")
     g.add_argument("--one-process", action="store_true",
                    help="every mode in this process (peak memory reset between modes) instead of one child each")
 
@@ -104,7 +117,9 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
     p_d = sum(p.numel() for p in model.parameters()) * esize - p_e
     m_e = m if ep_group is None else 1  # expert_dp_group=None under emulated EP: M_e = M / N = 1 (N = M)
     batches = make_batches(cfg, n, mbs, seq, device)
-    config = fxoverlap.OverlapConfig(grad_reduce="reduce_scatter", shard_params=mode == "zero3",
+    kind, keep = parse_mode(mode)
+    config = fxoverlap.OverlapConfig(grad_reduce="reduce_scatter", shard_params=kind == "zero3",
+                                     keep_gathered_mb=keep,
                                      compiler=args.compiler, delay_wgrad=args.delay_wgrad,
                                      reduce_bucket_mb=args.bucket_mb, progress=False)
     engine = fxoverlap.optimize(model, ep_group, config, dp_group=dp_group)
@@ -174,7 +189,7 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
                P_d=p_d, P_e=p_e, held_expected=p_d // m + p_e // m_e)
     params = {id(p): p for p in model.parameters()}.values()
     row["held_bytes"] = sum(p.numel() * p.element_size() for p in params)
-    if mode == "zero3":
+    if kind == "zero3":
         sharding = engine.sharding
         row.update(units=len(sharding.units), gathered_peak_bytes=sharding.peak_bytes,
                    unshards_per_step=sum(1 for node in engine.program.graph.nodes if node.target is unshard),
@@ -203,23 +218,35 @@ def _hidden(t_step: float, t_without: float, hold: float) -> float | None:
 
 
 def summary(rows: list[dict]) -> dict:
-    """ZeRO-3 against ZeRO-2: the issue's three targets."""
+    """Each ZeRO-3 mode against ZeRO-2: the issue's three targets (``zero3``'s at the top level,
+    every ZeRO-3 mode's under ``by_mode``)."""
     by = {r["mode"]: r for r in rows if r.get("kind") == "mode"}
     out: dict = dict(kind="summary")
-    if "zero2" in by and "zero3" in by:
-        z2, z3 = by["zero2"], by["zero3"]
-        out.update(zero3_over_zero2=z3["t_step_ms"] / z2["t_step_ms"],
-                   zero3_dp_hidden=z3["dp_hidden"], zero2_dp_hidden=z2["dp_hidden"],
-                   ep_hidden_zero2=z2["ep_hidden"], ep_hidden_zero3=z3["ep_hidden"],
-                   ep_hidden_diff=(None if None in (z2["ep_hidden"], z3["ep_hidden"])
-                                   else z3["ep_hidden"] - z2["ep_hidden"]),
-                   peak_gib=dict(zero2=z2["peak_gib"], zero3=z3["peak_gib"]),
-                   held_bytes=dict(zero2=z2["held_bytes"], zero3=z3["held_bytes"],
-                                   zero3_expected=z3["held_expected"]))
-        out["targets"] = dict(step=out["zero3_over_zero2"] <= 1.03,
-                              dp_hidden=z3["dp_hidden"] is not None and z3["dp_hidden"] >= 0.9,
-                              ep_hidden=out["ep_hidden_diff"] is not None and abs(out["ep_hidden_diff"]) <= 0.02,
-                              held=z3["held_bytes"] == z3["held_expected"])
+    if "zero2" not in by:
+        return out
+    for mode in by:
+        if mode != "zero2":
+            one = _against_zero2(by["zero2"], by[mode])
+            out.setdefault("by_mode", {})[mode] = one
+            if mode == "zero3":
+                out.update(one)
+    return out
+
+
+def _against_zero2(z2: dict, z3: dict) -> dict:
+    out: dict = {}
+    out.update(zero3_over_zero2=z3["t_step_ms"] / z2["t_step_ms"],
+               zero3_dp_hidden=z3["dp_hidden"], zero2_dp_hidden=z2["dp_hidden"],
+               ep_hidden_zero2=z2["ep_hidden"], ep_hidden_zero3=z3["ep_hidden"],
+               ep_hidden_diff=(None if None in (z2["ep_hidden"], z3["ep_hidden"])
+                               else z3["ep_hidden"] - z2["ep_hidden"]),
+               peak_gib=dict(zero2=z2["peak_gib"], zero3=z3["peak_gib"]),
+               held_bytes=dict(zero2=z2["held_bytes"], zero3=z3["held_bytes"],
+                               zero3_expected=z3["held_expected"]))
+    out["targets"] = dict(step=out["zero3_over_zero2"] <= 1.03,
+                          dp_hidden=z3["dp_hidden"] is not None and z3["dp_hidden"] >= 0.9,
+                          ep_hidden=out["ep_hidden_diff"] is not None and abs(out["ep_hidden_diff"]) <= 0.02,
+                          held=z3["held_bytes"] == z3["held_expected"])
     return out
 
 
@@ -232,8 +259,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     modes = [x.strip() for x in args.modes.split(",") if x.strip()]
-    if bad := [x for x in modes if x not in MODES]:
-        raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    if bad := [x for x in modes if parse_mode(x) is None]:
+        raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)} or zero3@MB (keep_gathered_mb=MB)")
     rows = []
 
     def emit(row: dict) -> None:

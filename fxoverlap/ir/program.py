@@ -46,6 +46,7 @@ class Program:
     buckets: tuple[Bucket, ...] = ()  # reduce: the gradient buckets, in the order they are issued
     units: tuple[ParamUnit, ...] = ()  # shard: the parameter units the program gathers and drops
     gathered_peak: int = 0  # shard: the most units gathered (or being gathered) at any point
+    gathered_peak_bytes: int = 0  # shard: the most bytes of them
 
 
 def program_of(program: torch.fx.GraphModule) -> Program:

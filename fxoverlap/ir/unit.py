@@ -68,3 +68,8 @@ class ParamUnit:
     def numel(self) -> int:
         """Elements of the gathered parameters."""
         return sum(math.prod(p.shape) for p in self.params)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gathered parameters (what holding the unit gathered costs)."""
+        return self.numel * self.dtype.itemsize

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import fxoverlap
 from dp_cases import groups, is_expert, make_model, reduce_by_hand
 from fxoverlap.models import MoEConfig, MoETransformer
-from fxoverlap.param_shard import gathered_bytes
 from fxoverlap.ir.program import program_of, reshard, unshard, wait_unshard
 from fxoverlap.testing import eager_steps, take_grads
 from numerics_cases import make_batches
@@ -78,14 +77,14 @@ def _model(ep, ac: bool = False):
     return MoETransformer(cfg, ep), cfg.vocab_size
 
 
-def train(rank: int, world: int, delay: bool = False, chunks: int = 1, ac: bool = False, steps: int = 2,
-          n: int = 3) -> dict:
+def train(rank: int, world: int, delay: bool = False, chunks: int = 1, ac: bool = False, keep: float = 0.0,
+          steps: int = 2, n: int = 3) -> dict:
     """``steps`` optimizer steps, the engine (ZeRO-3) against eager + manual reduction."""
     ep, edp = groups()
     ref_model, vocab = _model(ep, ac)
     model, _ = _model(ep, ac)
     cfg = fxoverlap.OverlapConfig(shard_params=True, delay_wgrad=delay, chunks=chunks, reduce_bucket_mb=0,
-                                  record_memory=True)
+                                  record_memory=True, keep_gathered_mb=keep)
     engine = fxoverlap.optimize(model, ep, cfg, dp_group=dist.group.WORLD, expert_dp_group=edp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # built before the shards: retargeted
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
@@ -127,7 +126,7 @@ def memory(rank: int, world: int, n: int = 3) -> dict:
     sharding.trace = []
     engine.forward_backward(mbs)
     units = program_of(engine.program).units
-    unit_bytes = sorted((gathered_bytes(u) for u in units), reverse=True)
+    unit_bytes = sorted((u.nbytes for u in units), reverse=True)
     return dict(
         held=sharding.local_bytes(model),
         expected=sum(b // (2 if is_expert(k) else 4) for k, b in full.items()),
@@ -286,13 +285,19 @@ def accumulation(rank: int, world: int) -> dict:
 
 
 # (delay_wgrad, chunks, user AC)
-TRAIN = ((False, 1, False), (True, 1, False), (False, 2, False), (True, 1, True))
+# (delay_wgrad, chunks, user AC, keep_gathered_mb): the last keeps every unit gathered through the step
+TRAIN = ((False, 1, False, 0.0), (True, 1, False, 0.0), (False, 2, False, 0.0), (True, 1, True, 0.0),
+         (True, 1, False, float("inf")))
+
+
+def case_name(delay: bool, chunks: int, ac: bool, keep: float) -> str:
+    return f"delay={delay},chunks={chunks},ac={ac}" + (f",keep={keep}" if keep else "")
 
 
 def everything(rank: int, world: int) -> dict:
     """One 4-rank spawn for the ZeRO-3 tests (CI's slow step): the training cases, memory,
     checkpoint and resume, forward-only, accumulation over calls and hooks, errors."""
-    return dict(train={f"delay={d},chunks={c},ac={a}": train(rank, world, d, c, a) for d, c, a in TRAIN},
+    return dict(train={case_name(*c): train(rank, world, *c) for c in TRAIN},
                 memory=memory(rank, world), checkpoint=checkpoint(rank, world), errors=errors(rank, world),
                 accumulation=accumulation(rank, world))
 
