@@ -429,3 +429,77 @@ def test_rows_cpu_one_process_per_row(tmp_path):
     log = (out / "gpu_rows.log").read_text()
     assert "row cpu: modes fxoverlap, 2 microbatches" in log and "mode (emulated)" in log and "failed" not in log
     assert "| 2 | nvlink | dropless | 2 |" in (out / "emulated_table.md").read_text()
+
+
+def test_hf_real_rows_carry_chunks_nolink_and_forward_modes(tmp_path, capsys):
+    """``bench hf --real``'s plumbing, no GPU: one process per (model, mode, chunks) with ``--chunks K``
+    and ``--nolink`` on its command line (torch.compile's rows once, first), the forward rows' speed-up
+    against ``compile_forward``; ``--one`` hands chunks and the link to ``run_real_one``; so does
+    ``hf-timeline``."""
+    import types
+
+    from fxoverlap.bench import hf_gpu, hf_timeline
+
+    cmds = []
+
+    def fake_run(cmd, stdout, stderr, text, env, timeout):  # a row's process: its RESULT line
+        cmds.append(cmd)
+        i = cmd.index("--one")
+        chunks = int(cmd[cmd.index("--chunks") + 1]) if "--chunks" in cmd else None
+        ms = {"compile": 100.0, "compile_forward": 40.0}.get(cmd[i + 2], 50.0)
+        row = dict(model=cmd[i + 1], mode=cmd[i + 2], chunks=chunks, step_ms=ms)
+        return subprocess.CompletedProcess(cmd, 0, stdout="noise\nRESULT " + json.dumps(row) + "\n")
+
+    fake_subprocess = types.SimpleNamespace(run=fake_run, PIPE=subprocess.PIPE, TimeoutExpired=subprocess.TimeoutExpired)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_gpu, "subprocess", fake_subprocess)
+        commands.main(["hf", "--real", "--out", str(tmp_path), "--models", "qwen3_moe,deepseek_v3", "--modes",
+                       "backend_forward,forward_only,compile_forward,backend", "--chunks", "1,3", "--nolink"])
+    assert all(c[:4] == [sys.executable, "-m", "fxoverlap.bench", "hf"] and c[-1] == "--nolink" for c in cmds)
+    got = [(c[c.index("--one") + 1], c[c.index("--one") + 2], c[c.index("--chunks") + 1] if "--chunks" in c else None)
+           for c in cmds]
+    per_model = [("compile_forward", None), *((m, k) for m in ("backend_forward", "forward_only", "backend")
+                                              for k in ("1", "3"))]
+    assert got == [(n, m, k) for n in ("qwen3_moe", "deepseek_v3") for m, k in per_model]
+    rows = [json.loads(ln) for ln in (tmp_path / "hf_gpu_real.jsonl").read_text().splitlines()]
+    assert len(rows) == 14 and (tmp_path / "deepseek_v3_backend_c3_nolink.log").exists()
+    # forward rows against compile_forward (40 / 50 ms); no compile row, so the training backend has none
+    assert [r.get("speedup_vs_compile") for r in rows[:7]] == [None, 0.8, 0.8, 0.8, 0.8, None, None]
+    assert hf_gpu.row_command("olmoe", "optimize", 3) == [sys.executable, "-m", "fxoverlap.bench", "hf", "--one",
+                                                          "olmoe", "optimize", "--iters", "3"]  # as before
+    with pytest.raises(SystemExit, match="unknown mode 'fwd'"):
+        commands.main(["hf", "--real", "--out", str(tmp_path), "--modes", "fwd"])
+    with pytest.raises(hf_gpu.BenchCommandError, match="torch.compile's own"):
+        hf_gpu.run_real_one("qwen3_moe", "compile_forward", 1, chunks=2)  # refused before any CUDA work
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(code):
+        raise Exited(code)
+
+    seen = []
+
+    def fake_one(name, mode, iters, stage_options=None, **kw):
+        seen.append((name, mode, iters, stage_options, kw))
+        return dict(model=name, mode=mode, chunks=kw["chunks"], step_ms=1.0)
+
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_gpu, "run_real_one", fake_one)
+        mp.setattr(os, "_exit", fake_exit)
+        with pytest.raises(Exited):  # the row process (what main_real starts)
+            commands.main(["hf", "--one", "deepseek_v3", "backend_forward", "--iters", "2", "--chunks", "4", "--nolink"])
+        assert seen.pop() == ("deepseek_v3", "backend_forward", 2, None, dict(chunks=4, link=False))
+        assert '"chunks": 4' in capsys.readouterr().out
+        with pytest.raises(Exited):  # no flags: the defaults, as before
+            commands.main(["hf", "--one", "qwen3_moe", "optimize"])
+        assert seen.pop() == ("qwen3_moe", "optimize", 3, None, dict(chunks=None, link=True))
+        with pytest.raises(Exited):
+            hf_timeline.main(["--model", "qwen3_moe", "--mode", "backend", "--chunks", "3", "--nolink",
+                              "--out", str(tmp_path / "tl")])
+        name, mode, _, _, kw = seen.pop()
+        assert (name, mode, kw["chunks"], kw["link"], callable(kw["timed"])) == ("qwen3_moe", "backend", 3, False, True)
+        assert json.loads((tmp_path / "tl" / "rows.jsonl").read_text())["tag"] == "qwen3_moe_backend_c3_nolink"
+        with pytest.raises(SystemExit):  # chunks are fxoverlap's: not for torch.compile's row
+            hf_timeline.main(["--model", "qwen3_moe", "--mode", "compile", "--chunks", "2"])

@@ -5,7 +5,7 @@
 Per family and dtype: the unsharded model (transformers' default experts path) vs
 expert_parallel in eager and through fxoverlap.optimize; prints one JSON line each.
 
-    python -m fxoverlap.bench hf --real [--out DIR] [--models qwen3_moe,...] [--modes ...]
+    python -m fxoverlap.bench hf --real [--out DIR] [--models qwen3_moe,...] [--modes ...] [--chunks 1,2,..] [--nolink]
 
 At released layer shapes (``REAL``: Qwen3-30B-A3B, Moonlight (DeepSeek-V3 MLA), Mixtral-8x7B,
 GPT-OSS-20B, OLMoE-1B-7B layers; 4 layers, vocabulary cut to 32768, 4 microbatches of 1 x 2048
@@ -19,23 +19,34 @@ host), then the mode:
 - ``compile``: ``torch.compile(model)`` (Inductor), the baseline step time;
 - ``optimize``: ``fxoverlap.optimize`` (the CUDA default: Inductor stages);
 - ``backend``: ``torch.compile(model, backend="fxoverlap")``, one microbatch per call;
-- ``forward_only``: ``engine.forward_only`` (no gradients) against eager's forward losses.
+- ``forward_only``: ``engine.forward_only`` (no gradients) against eager's forward losses;
+- ``compile_forward`` / ``backend_forward``: ``torch.compile(model)`` / ``torch.compile(model,
+  backend="fxoverlap")`` called on each microbatch under ``torch.no_grad()``, the loss computed
+  outside the compiled model as the ``compile`` / ``backend`` rows do; against eager's forward
+  losses. Not in the default ``--modes``.
 
-Per (model, mode) one JSON line: loss and gradient difference from eager, step time
-(median of the timed steps, link on) and its ratio to ``compile``'s, the first step's time
-(compiles), peak memory. bf16 tolerance (``ok``): each loss within 1e-2 relative; per
-parameter max|Δgrad| <= 8 · 2^-8 = 3.1e-2 · max|eager grad| (a few bf16 roundings of
-reordered sums; a wrong slice or a lost routing weight is O(1)). Each process's log and
+``--chunks 1,2,3,4``: one process per (model, mode, chunks) for the fxoverlap modes
+(``OverlapConfig(chunks=K)``, the backend's ``options={"chunks": K}``); the ``torch.compile``
+rows run once. ``--nolink``: the emulated group holds nothing (``EmulatedGroup(None)``, the
+EP-N rank's compute only). With 4 microbatches ``forward_only`` runs them in pairs, whole
+exchanges (``OverlapConfig.chunks``' docstring), and ``optimize`` chunks only F(0)/B(0)/F(N-1)/B(N-1):
+the backend's rows are where chunks count. Per (model, mode[, chunks]) one JSON line: loss and
+gradient difference from eager, step time (median of the timed steps) and its ratio to
+``compile``'s (``compile_forward``'s for the forward rows; torch.compile's rows run first), the
+first step's time (compiles), peak memory. bf16 tolerance (``ok``): each loss within 1e-2
+relative; per parameter max|Δgrad| <= 8 · 2^-8 = 3.1e-2 · max|eager grad| (a few bf16 roundings
+of reordered sums; a wrong slice or a lost routing weight is O(1)). Each process's log and
 the JSON lines (``hf_gpu_real.jsonl``) go to ``--out`` (default ``$OUT``). Budget: about 8
 minutes on one H200 with a warm Inductor cache dir shared by the processes.
 """
 import argparse, copy, json, os, statistics, subprocess, sys, time, traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 import fxoverlap
-from fxoverlap.bench.commands import SupportModule, self_command, subprocess_env
+from fxoverlap.bench.commands import BenchCommandError, SupportModule, self_command, subprocess_env
 from fxoverlap.testing import take_grads
 
 hf_cases = SupportModule("hf_cases")  # tests/support/hf_cases.py, imported at first use
@@ -138,7 +149,10 @@ REAL = {
         hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16, head_dim=128,
         num_experts=8, num_experts_per_tok=8)),
 }
-MODES_REAL = ("compile", "optimize", "backend", "forward_only")
+MODES_REAL = ("compile", "optimize", "backend", "forward_only", "compile_forward", "backend_forward")
+DEFAULT_MODES_REAL = MODES_REAL[:4]  # ``bench hf --real`` with no --modes
+FORWARD_MODES_REAL = ("forward_only", "compile_forward", "backend_forward")  # no gradients, eager's forward losses
+COMPILE_MODES_REAL = ("compile", "compile_forward")  # torch.compile's own: OverlapConfig(chunks=) does not apply
 
 
 def _real_model(name: str):
@@ -164,21 +178,39 @@ def _timed(fn, iters: int) -> tuple[float, list[float], object]:
     return t_first, times, last
 
 
-def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = None) -> dict:
+def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = None, chunks: int | None = None,
+                 link: bool = True, timed: Callable | None = None) -> dict:
     """One (model, mode) in this process: eager reference, then the mode; see the module docstring.
     ``stage_options``: Inductor options for fxoverlap's compiled stages (``OverlapConfig.compile_options``,
-    the backend's ``options``), e.g. ``{"cpp_wrapper": True}``; ``torch.compile``'s row keeps its defaults."""
+    the backend's ``options``), e.g. ``{"cpp_wrapper": True}``; ``torch.compile``'s row keeps its defaults.
+    ``chunks``: ``OverlapConfig(chunks=K)`` (``optimize``, ``forward_only``) or the backend's
+    ``options={"chunks": K}`` (``backend``, ``backend_forward``); None: the default (CUDA: 2).
+    ``link``: False, the emulated group holds nothing (the EP-N rank's compute only).
+    ``timed``: how the mode's steps are timed (default :func:`_timed`; ``hf-timeline`` profiles in it)."""
     from fxoverlap.kernels import emulated_link
 
+    if mode not in MODES_REAL:
+        raise BenchCommandError(f"bench hf --real: unknown mode {mode!r}; choose from {', '.join(MODES_REAL)}")
+    if chunks is not None and mode in COMPILE_MODES_REAL:
+        raise BenchCommandError(f"bench hf --real: chunks={chunks} is an fxoverlap setting; the {mode!r} row is "
+                                "torch.compile's own (leave chunks out for it)")
+    timed = timed or _timed
+    forward = mode in FORWARD_MODES_REAL
     fxoverlap.enable_dynamic_output_shapes()  # dropless dispatch stays in torch.compile's graph
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29556")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
     _, ep, experts, _ = REAL[name]
-    link = emulated_link.Link(GBPS, ep=ep, experts=experts, name=f"{GBPS:g}GB/s")
-    group = emulated_link.EmulatedGroup(link)  # the EP group: one rank here, every exchange holds as EP-N's
-    row = dict(model=name, mode=mode, layers=LAYERS, stage_options=stage_options or {}, tokens=f"{N_MB} x 1 x {SEQ}", dtype="bfloat16",
-               link=f"emulated EP {ep}, {GBPS:g} GB/s", torch=torch.__version__)
+    emulated = emulated_link.Link(GBPS, ep=ep, experts=experts, name=f"{GBPS:g}GB/s") if link else None
+    group = emulated_link.EmulatedGroup(emulated)  # the EP group: one rank here, every exchange holds as EP-N's
+    row = dict(model=name, mode=mode, chunks=chunks, layers=LAYERS, stage_options=stage_options or {},
+               tokens=f"{N_MB} x 1 x {SEQ}", dtype="bfloat16",
+               link=f"emulated EP {ep}, {GBPS:g} GB/s" if link else f"emulated EP {ep}, none (holds nothing)",
+               torch=torch.__version__)
+    config = fxoverlap.OverlapConfig(compile_options=stage_options, chunks=chunks)
+    if mode not in COMPILE_MODES_REAL:
+        row["chunks_resolved"] = config.resolved_chunks("cuda")
+    backend_options = {**(stage_options or {}), **({} if chunks is None else {"chunks": chunks})}
     g = torch.Generator().manual_seed(0)
     mbs = [torch.randint(0, VOCAB_REAL, (1, SEQ), generator=g).cuda() for _ in range(N_MB)]
     model = fxoverlap.expert_parallel(_real_model(name), group)
@@ -186,7 +218,7 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
     row["local_experts"] = REAL[name][3].get("num_experts") or REAL[name][3].get("num_local_experts") \
         or REAL[name][3].get("n_routed_experts")
     # the eager reference on the same weights and data: losses, gradients (on the host)
-    if mode == "forward_only":
+    if forward:
         with torch.no_grad():
             ref_losses = [hf_cases.next_token_loss(model(ids), ids).float() for ids in mbs]
         ref = {}
@@ -196,7 +228,7 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
                if p.grad is not None}
         model.zero_grad(set_to_none=True)
     t_eager = None
-    if mode == "compile":  # eager's step time too, for scale
+    if mode == "compile":  # eager's step time too, for scale (plain timing: not the mode's step)
         t_eager = _timed(lambda: steps(model, mbs), 1)[1][0]
         model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
@@ -210,29 +242,36 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
             return steps(m, mbs)
         return step
 
+    def fwd(m):  # the forward rows of torch.compile and the backend: the loss outside the compiled model
+        def step():
+            with torch.no_grad():
+                return [hf_cases.next_token_loss(m(ids), ids) for ids in mbs]
+        return step
+
     engine = None
-    if mode == "compile":
+    if mode in ("compile", "compile_forward"):
         torch._dynamo.config.cache_size_limit = 64
-        step = fwd_bwd(torch.compile(model))
-    elif mode == "backend":
+        step = (fwd_bwd if mode == "compile" else fwd)(torch.compile(model))
+    elif mode in ("backend", "backend_forward"):
         import fxoverlap.backend as fxb
 
         fxb.reset()
-        step = fwd_bwd(torch.compile(model, backend="fxoverlap", options=dict(stage_options or {})))
+        compiled = torch.compile(model, backend="fxoverlap", options=backend_options)
+        step = (fwd_bwd if mode == "backend" else fwd)(compiled)
     elif mode == "optimize":
-        engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(compile_options=stage_options))
+        engine = fxoverlap.optimize(model, group, config)
 
         def step():
             model.zero_grad(set_to_none=True)
             return engine.forward_backward(mbs, loss_fn=hf_cases.next_token_loss)
-    else:
-        engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(compile_options=stage_options))
+    else:  # forward_only
+        engine = fxoverlap.optimize(model, group, config)
 
         def step():
             with torch.no_grad():
                 outs = engine.forward_only(mbs, output_fn=lambda out, ids: hf_cases.next_token_loss(out, ids))
             return outs
-    t_first, times, losses = _timed(step, iters)  # the last step's losses; its gradients (zeroed before each)
+    t_first, times, losses = timed(step, iters)  # the last step's losses; its gradients (zeroed before each)
     losses = list(losses)
     row["first_step_s"] = round(t_first, 2)
     row["step_ms"] = round(1e3 * statistics.median(times), 2)
@@ -249,7 +288,7 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
     row["ok"] = row["loss_rel"] <= BF16_LOSS_TOL and row.get("grad_rel", 0.0) <= BF16_GRAD_TOL
     if engine is not None:
         row["runs_as"] = sorted({s.runs_as for s in engine.stages})
-    if mode == "backend":
+    if mode in ("backend", "backend_forward"):
         import fxoverlap.backend as fxb
 
         row["runs_as"] = sorted({s.runs_as for s in fxb.last_stages()})
@@ -257,42 +296,75 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
     return row
 
 
+def _chunk_list(text: str | None) -> list[int | None]:
+    """``--chunks 1,2,3,4`` -> [1, 2, 3, 4]; not given -> [None] (the default)."""
+    if not text:
+        return [None]
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise SystemExit(f"bench hf: --chunks takes comma-separated ints >= 1, got {text!r}") from None
+    if not ks or any(k < 1 for k in ks):
+        raise SystemExit(f"bench hf: --chunks takes comma-separated ints >= 1, got {text!r}")
+    return ks
+
+
+def row_command(name: str, mode: str, iters: int, chunks: int | None = None, link: bool = True) -> list[str]:
+    """The command of one (model, mode[, chunks]) process of ``bench hf --real``."""
+    return self_command("hf", "--one", name, mode, "--iters", str(iters),
+                        *(() if chunks is None else ("--chunks", str(chunks))), *(() if link else ("--nolink",)))
+
+
 def main_real(args) -> None:
+    """``bench hf --real``: one process per (model, mode[, chunks]) (:func:`row_command`), within
+    ``args.budget``; the JSON lines to ``OUT/hf_gpu_real.jsonl``."""
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
     models = args.models.split(",") if args.models else list(REAL)
-    modes = args.modes.split(",") if args.modes else list(MODES_REAL)
+    modes = args.modes.split(",") if args.modes else list(DEFAULT_MODES_REAL)
+    for what, names, known in (("model", models, REAL), ("mode", modes, MODES_REAL)):
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise SystemExit(f"bench hf --real: unknown {what} {', '.join(map(repr, bad))}; choose from {', '.join(known)}")
+    # torch.compile's rows first (stable), so every other row has its baseline for speedup_vs_compile
+    modes.sort(key=lambda m: m not in COMPILE_MODES_REAL)
+    chunk_list = _chunk_list(args.chunks)
+    link = not args.nolink
     t_start = time.perf_counter()
-    compile_ms: dict[str, float] = {}
+    base_ms: dict[tuple[str, str], float] = {}  # (model, compile mode) -> its step ms
     with open(os.path.join(out_dir, "hf_gpu_real.jsonl"), "a") as jl:
         for name in models:
             for mode in modes:
-                left = args.budget - (time.perf_counter() - t_start)
-                if left < 20:
-                    row = dict(model=name, mode=mode, skipped=f"total budget of {args.budget} s spent")
-                else:
-                    log = os.path.join(out_dir, f"{name}_{mode}.log")
-                    cmd = self_command("hf", "--one", name, mode, "--iters", str(args.iters))
-                    try:
-                        with open(log, "w") as f:
-                            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=subprocess_env(),
-                                                  timeout=min(args.timeout, left))
-                        f_out = proc.stdout
-                        found = [ln for ln in f_out.splitlines() if ln.startswith("RESULT ")]
-                        row = json.loads(found[-1][7:]) if found else dict(
-                            model=name, mode=mode, error=f"exit {proc.returncode}; see {log}")
-                        with open(log, "a") as f:
-                            f.write(f_out)
-                    except subprocess.TimeoutExpired:
-                        row = dict(model=name, mode=mode, error=f"timed out; see {log}")
-                if mode == "compile" and "step_ms" in row:
-                    compile_ms[name] = row["step_ms"]
-                if mode in ("optimize", "backend") and "step_ms" in row and name in compile_ms:
-                    row["speedup_vs_compile"] = round(compile_ms[name] / row["step_ms"], 3)
-                row["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-                print(json.dumps(row), flush=True)
-                jl.write(json.dumps(row) + "\n")
-                jl.flush()
+                for chunks in ([None] if mode in COMPILE_MODES_REAL else chunk_list):
+                    ident = dict(model=name, mode=mode, chunks=chunks)
+                    left = args.budget - (time.perf_counter() - t_start)
+                    if left < 20:
+                        row = dict(ident, skipped=f"total budget of {args.budget} s spent")
+                    else:
+                        tag = f"{name}_{mode}" + ("" if chunks is None else f"_c{chunks}") + ("" if link else "_nolink")
+                        log = os.path.join(out_dir, f"{tag}.log")
+                        cmd = row_command(name, mode, args.iters, chunks, link)
+                        try:
+                            with open(log, "w") as f:
+                                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
+                                                      env=subprocess_env(), timeout=min(args.timeout, left))
+                            f_out = proc.stdout
+                            found = [ln for ln in f_out.splitlines() if ln.startswith("RESULT ")]
+                            row = json.loads(found[-1][7:]) if found else dict(
+                                ident, error=f"exit {proc.returncode}; see {log}")
+                            with open(log, "a") as f:
+                                f.write(f_out)
+                        except subprocess.TimeoutExpired:
+                            row = dict(ident, error=f"timed out; see {log}")
+                    if mode in COMPILE_MODES_REAL and "step_ms" in row:
+                        base_ms[name, mode] = row["step_ms"]
+                    base = "compile_forward" if mode in FORWARD_MODES_REAL else "compile"
+                    if mode not in COMPILE_MODES_REAL and "step_ms" in row and (name, base) in base_ms:
+                        row["speedup_vs_compile"] = round(base_ms[name, base] / row["step_ms"], 3)
+                    row["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+                    print(json.dumps(row), flush=True)
+                    jl.write(json.dumps(row) + "\n")
+                    jl.flush()
 
 
 def cli() -> None:
@@ -300,17 +372,24 @@ def cli() -> None:
     ap.add_argument("--real", action="store_true", help="released layer shapes (see the module docstring)")
     ap.add_argument("--out", help="log and JSON-lines folder (default $OUT)")
     ap.add_argument("--models", help=f"comma-separated, of {tuple(REAL)}")
-    ap.add_argument("--modes", help=f"comma-separated, of {MODES_REAL}")
+    ap.add_argument("--modes", help=f"comma-separated, of {MODES_REAL} (default: {','.join(DEFAULT_MODES_REAL)})")
+    ap.add_argument("--chunks", help="comma-separated chunk counts: one row per count for each fxoverlap mode "
+                    "(OverlapConfig(chunks=K), the backend's options={'chunks': K}); torch.compile's rows run once. "
+                    "Default: the config's default (CUDA: 2)")
+    ap.add_argument("--nolink", action="store_true", help="the emulated group holds nothing (the EP-N rank's compute only)")
     ap.add_argument("--iters", type=int, default=3, help="timed steps after the first")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per (model, mode) process")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run; later rows are skipped")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
+        chunks = _chunk_list(args.chunks)
+        if len(chunks) != 1:
+            ap.error(f"--one runs one row: one --chunks value, got {args.chunks!r}")
         try:
-            row = run_real_one(*args.one, args.iters)
+            row = run_real_one(*args.one, args.iters, chunks=chunks[0], link=not args.nolink)
         except Exception as e:  # noqa: BLE001 -- reported as the row
-            row = dict(model=args.one[0], mode=args.one[1], error=f"{type(e).__name__}: {e}"[:600],
+            row = dict(model=args.one[0], mode=args.one[1], chunks=chunks[0], error=f"{type(e).__name__}: {e}"[:600],
                        trace=traceback.format_exc()[-1500:])
         print("RESULT " + json.dumps(row), flush=True)
         sys.stdout.flush()

@@ -2,12 +2,13 @@
 step's time goes on the GPU (per stream busy time, the emulated link's holds, launches, host syncs,
 the top kernels) as one JSON line in ``OUT/profiles.jsonl`` and the row in ``OUT/rows.jsonl``.
 
-    python -m fxoverlap.bench hf-timeline --model qwen3_moe --mode backend --out $OUT [--nolink] [--deep]
+    python -m fxoverlap.bench hf-timeline --model qwen3_moe --mode backend --out $OUT [--nolink] [--chunks K] [--deep]
 
 ``--nolink``: the emulated group holds nothing (``EmulatedGroup(None)``): the EP-8 rank's compute
-only. ``--deep``: also cProfile of one step (the main thread's Python; a CUDA backward runs on
-autograd's device thread, which it does not see) in ``OUT/cprofile_<tag>.txt``, and the GPU's idle
-gaps and host syncs charged to the CPU op that launched the next kernel. Issue 37's breakdown
+only. ``--chunks K``: ``OverlapConfig(chunks=K)`` / the backend's ``options={"chunks": K}``.
+``--deep``: also cProfile of one step (the main thread's Python; a CUDA backward runs on autograd's
+device thread, which it does not see) in ``OUT/cprofile_<tag>.txt``, and the GPU's idle gaps and
+host syncs charged to the CPU op that launched the next kernel. Issue 37's breakdown
 (docs/benchmarks.md, 2026-12-04 tenth session) was measured with it.
 """
 import argparse
@@ -149,28 +150,30 @@ def attribute(prof) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """``python -m fxoverlap.bench hf-timeline``: see the module docstring."""
     ap = argparse.ArgumentParser(prog="python -m fxoverlap.bench hf-timeline")
     ap.add_argument("--model", required=True, choices=sorted(h.REAL))
     ap.add_argument("--mode", required=True, choices=h.MODES_REAL)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--nolink", action="store_true", help="the emulated group holds nothing")
+    ap.add_argument("--chunks", type=int, help="OverlapConfig(chunks=K) / the backend's options={'chunks': K} "
+                    "(not for torch.compile's modes); default: the config's (CUDA: 2)")
     ap.add_argument("--deep", action="store_true", help="cProfile of one step; idle gaps charged to ops")
     ap.add_argument("--stage-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an Inductor option for fxoverlap's stages (torch.compile's row keeps its defaults), "
                          "e.g. cpp_wrapper=1 (Inductor's C++ wrapper launches the kernels); repeatable")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.chunks is not None and (args.chunks < 1 or args.mode in h.COMPILE_MODES_REAL):
+        ap.error(f"--chunks {args.chunks}: an int >= 1, for an fxoverlap mode (not {', '.join(h.COMPILE_MODES_REAL)})")
     os.makedirs(args.out, exist_ok=True)
     stage_options = {}
     for kv in args.stage_option:
         key, _, value = kv.partition("=")
         stage_options[key] = {"1": True, "true": True, "0": False, "false": False}.get(value.lower(), value)
-    tag = f"{args.model}_{args.mode}{'_nolink' if args.nolink else ''}" + "".join(
-        f"_{k}" for k, v in stage_options.items() if v)
-    if args.nolink:
-        from fxoverlap.kernels import emulated_link
-        emulated_link.Link = lambda *a, **k: None  # run_real_one builds EmulatedGroup(Link(...)): None holds nothing
+    tag = (f"{args.model}_{args.mode}{'' if args.chunks is None else f'_c{args.chunks}'}"
+           f"{'_nolink' if args.nolink else ''}" + "".join(f"_{k}" for k, v in stage_options.items() if v))
     timed = h._timed
 
     def timed_with_profile(fn, iters):
@@ -206,8 +209,8 @@ def main() -> None:
         print("PROFILE " + json.dumps({k: v for k, v in res.items() if k != "top_kernels"}), flush=True)
         return first, times, last
 
-    h._timed = timed_with_profile  # run_real_one times its steps through it
-    row = h.run_real_one(args.model, args.mode, args.iters, stage_options)
+    row = h.run_real_one(args.model, args.mode, args.iters, stage_options, chunks=args.chunks,
+                         link=not args.nolink, timed=timed_with_profile)
     row["tag"] = tag
     print("RESULT " + json.dumps(row), flush=True)
     with open(os.path.join(args.out, "rows.jsonl"), "a") as f:
