@@ -11,7 +11,8 @@ Guarantees: one :class:`~fxoverlap.ir.stage.Stage` per tag, in plain execution o
 in graph order, as its own GraphModule. Its inputs are the values it reads from
 placeholders or other stages (saved activations are simply forward-stage outputs
 that a backward stage reads); its outputs are the values another stage or the graph
-output reads. Every stage records whether a CUDA graph can hold it
+output reads; a stage whose inputs' shapes use an unbacked size only inside an
+expression (``u + 120``) takes that size as an input too, so a compiler can bind it. Every stage records whether a CUDA graph can hold it
 (``not_capturable_reason``: communication, a host sync, a data-dependent shape, an
 in-place op, or nothing to launch), with the node that makes it so: the one place
 that is decided. The joint graph is not changed.
@@ -73,24 +74,63 @@ def _copy_attr(src: nn.Module, dst: nn.Module, target: str) -> None:
 
 
 def stage_boundary(nodes: list[torch.fx.Node], copied: dict[torch.fx.Node, set] | None = None,
-                   group_of: dict[torch.fx.Node, object] | None = None, tag: object = None
-                   ) -> tuple[list[str], list[str]]:
+                   group_of: dict[torch.fx.Node, object] | None = None, tag: object = None,
+                   symbols: dict[object, list[torch.fx.Node]] | None = None) -> tuple[list[str], list[str]]:
     """Names of the values ``nodes`` read from outside, and of those they hand out. ``copied``
     (node -> the groups that compute a copy of it), ``group_of`` (node -> its own group) and
     ``tag`` (this group): a value whose outside readers all compute their own copy is not handed
-    out, nor is a copy (its own group hands it out where anything must)."""
+    out, nor is a copy (its own group hands it out where anything must). ``symbols`` (group ->
+    the size values it takes besides, see :func:`_symbols_to_pass`): read and handed out too."""
     members = set(nodes)
     inputs: list[str] = []
     outputs: list[str] = []
+    passed = {n for group, ns in (symbols or {}).items() if group != tag for n in ns}
     for n in nodes:
         for p in n.all_input_nodes:
             if p not in members and p.name not in inputs:
                 inputs.append(p.name)
         if copied and n in copied and group_of.get(n) != tag:
             continue
-        if any(u not in members and not (copied and group_of.get(u) in copied.get(n, ())) for u in n.users):
+        if n in passed or any(u not in members and not (copied and group_of.get(u) in copied.get(n, ()))
+                              for u in n.users):
             outputs.append(n.name)
+    for p in (symbols or {}).get(tag, ()):
+        if p not in members and p.name not in inputs:
+            inputs.append(p.name)
     return inputs, outputs
+
+
+def _symbols_to_pass(gm: torch.fx.GraphModule, groups: dict[Tag, list[torch.fx.Node]]
+                     ) -> dict[Tag, list[torch.fx.Node]]:
+    """Per group, the size values (SymInt nodes) it must take as inputs although none of its
+    nodes reads them: an unbacked symbol ``u`` that its inputs' shapes use only inside an
+    expression (``u + 120``: FP8's groups padded to 16 rows) and never bare. A compiler binds a
+    stage's symbols from its inputs (a bare size, or a SymInt input); without ``u`` itself,
+    Inductor cannot generate the code for ``u + 120``."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    defined: dict[object, torch.fx.Node] = {}  # a bare symbol -> the first node whose value it is
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+            defined.setdefault(v.node.expr, n)
+    out: dict[Tag, list[torch.fx.Node]] = {}
+    for tag, nodes in groups.items():
+        members = set(nodes)
+        bare, used = set(), set()
+        for p in {p for n in nodes for p in n.all_input_nodes if p not in members}:
+            v = p.meta.get("val")
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                sizes = (x,) if isinstance(x, torch.SymInt) else (
+                    (*x.shape, *x.stride()) if isinstance(x, torch.Tensor) else ())
+                for size in sizes:
+                    if isinstance(size, torch.SymInt):
+                        expr = size.node.expr
+                        (bare.add(expr) if expr.is_Symbol else used.update(free_unbacked_symbols(expr)))
+        missing = sorted(used - bare, key=str)
+        if take := [defined[u] for u in missing if u in defined and defined[u] not in members]:
+            out[tag] = take
+    return out
 
 
 def build_stage_module(
@@ -190,10 +230,11 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False,
     _keep_passing_views_with_their_input(groups)
     group_of = {n: t for t, nodes in groups.items() for n in nodes}
     copied = None if static is None else _derive_weight_values_where_read(groups, static)
+    symbols = _symbols_to_pass(gm, groups)
     stages = []
     for t in sorted(groups, key=lambda k: k.sort_key(num_layers)):
         nodes = groups[t]
-        inputs, outputs = stage_boundary(nodes, copied, group_of, t)
+        inputs, outputs = stage_boundary(nodes, copied, group_of, t, symbols)
         name = stage_name(t)
         stage_gm = build_stage_module(gm, nodes, inputs, outputs, name)
         stages.append(Stage(
