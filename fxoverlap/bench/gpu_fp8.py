@@ -288,27 +288,37 @@ def summarize(out_dir: str, link_gbps: float) -> dict:
 # ---------------------------------------------------------------- 4. loss curve
 
 
-def curve(out_dir: str, steps: int) -> dict:
-    dev = torch.device("cuda")
+def curve(out_dir: str, steps: int, device: str = "cuda", compiler: str = "eager") -> dict:
+    """``steps`` AdamW steps through fxoverlap, bf16 and FP8 experts on the same weights and data.
+    Eager stages by default: the curve is about FP8's numerics over training, and eager stages
+    are the ops eager runs (Inductor's compile would take most of a GPU call's budget); the
+    partial curves are written to ``fp8_curve_partial.json`` every 25 steps."""
+    dev = torch.device(device)
     cfg = MoEConfig.tiny(n_layers=4, dim=512, n_heads=8, n_experts=8, top_k=2, expert_dim=512, vocab_size=2048)
     torch.manual_seed(0)
     base = MoETransformer(cfg, None).to(dev, torch.bfloat16)
-    losses = {}
+    losses: dict[str, list[float]] = {}
+    t0 = time.time()
     for name, dtype in (("bf16", None), ("fp8", "fp8_rowwise")):
         m = copy.deepcopy(base)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        engine = fxoverlap.optimize(m, None, fxoverlap.OverlapConfig(expert_dtype=dtype, progress=False))
-        curve_ = []
+        engine = fxoverlap.optimize(m, None, fxoverlap.OverlapConfig(expert_dtype=dtype, compiler=compiler,
+                                                                   progress=False))
+        curve_ = losses.setdefault(name, [])
         for step in range(steps):
             mbs = [tuple(t.to(dev) for t in mb) for mb in token_batches(cfg.vocab_size, 4, (4, 128), seed=step)]
-            curve_.append(sum(x.item() for x in engine.forward_backward(mbs)) / len(mbs))
+            curve_.append(float(torch.stack(engine.forward_backward(mbs)).float().mean()))
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if (step + 1) % 25 == 0:
+                print(f"FP8 curve {name} step {step + 1}/{steps} loss {curve_[-1]:.4f} ({time.time() - t0:.0f} s)",
+                      flush=True)
+                with open(os.path.join(out_dir, "fp8_curve_partial.json"), "w") as f:
+                    json.dump({"steps": steps, "compiler": compiler, "losses": losses}, f)
         engine.close()
-        losses[name] = curve_
     tail = max(1, steps // 20)
     end = {k: sum(v[-tail:]) / tail for k, v in losses.items()}
-    res = {"steps": steps, "losses": losses, "final_mean_last": end,
+    res = {"steps": steps, "compiler": compiler, "losses": losses, "final_mean_last": end,
            "final_rel": abs(end["fp8"] - end["bf16"]) / end["bf16"]}
     res["ok"] = res["final_rel"] <= 0.01
     try:
@@ -347,6 +357,8 @@ def main() -> None:
     p.add_argument("--rows", default="", help="the speed rows run (bf16,fp8,torchao_fp8; default all): "
                    "the others' JSON already in the folder is still summarized")
     p.add_argument("--steps", type=int, default=200, help="steps of the loss curve")
+    p.add_argument("--curve-compiler", default="eager", choices=("eager", "inductor"),
+                   help="the loss curve's stages (eager: no compile time; the ops eager runs)")
     a = p.parse_args()
     out_dir = os.path.dirname(os.path.abspath(a.out))
     os.makedirs(out_dir, exist_ok=True)
@@ -360,7 +372,7 @@ def main() -> None:
     except ImportError:
         pass
     parts = {"kernels": kernels, "numerics": numerics, "speed": lambda: speed(out_dir, a.budget, a.link_gbps, a.layers, a.microbatches, a.row_timeout, a.rows),
-             "curve": lambda: curve(out_dir, a.steps)}
+             "curve": lambda: curve(out_dir, a.steps, compiler=a.curve_compiler)}
     for name in filter(None, (s.strip() for s in a.parts.split(","))):
         t0 = time.time()
         try:
