@@ -366,8 +366,8 @@ class ProgramRunner:
         self._spans: dict[str, tuple[int, int]] = {
             "all": (0, end), "forward": (0, split), "backward": (split, end),
             "input_grads": (split, weight), "weight_grads": (weight, end)}
-        # per span run: its nodes less those that do nothing here (events without streams)
-        self._runs: dict[tuple[int, int], list[tuple[Callable, tuple]]] = {}
+        # per span and launch mode, the nodes as a run executes them (_nodes)
+        self._runs: dict[tuple, list[tuple[Callable, tuple]]] = {}
         # the tangents' seeds (default: ones, as loss.backward() seeds), by shape and dtype
         self._seeds = [(ph, node.meta["val"]) for ph in self.capture.tangents
                        for node in self.capture.graph_module.graph.find_nodes(op="placeholder", target=ph)[:1]]
@@ -395,12 +395,40 @@ class ProgramRunner:
         return torch.cuda.stream(self.streams[stream])
 
     def _nodes(self, lo: int, hi: int) -> list[tuple[Callable, tuple]]:
-        """The nodes of span ``(lo, hi)`` that do something on this runner: without streams the
-        event nodes are no-ops, left out (the spans keep their indices)."""
-        run = self._runs.get((lo, hi))
+        """The nodes of span ``(lo, hi)`` as this run executes them, built once per span and
+        launch mode: without streams the event nodes are no-ops, left out (the spans keep
+        their indices); a stage launch that needs none of :meth:`call_stage`'s extras in this
+        run (no hook, CUDA graphs, layout check, carveout, stream switch or cross-stream record)
+        is bound to :meth:`call_plain`, which does the same with less host work per launch; and
+        the frees of a microbatch that follow a launch or a free of it are done by that call."""
+        plain = self.hook is None and self.cuda_graphs is None and self.layouts is None
+        mode = (lo, hi, plain, self._carveout is None, self._comp_current)
+        run = self._runs.get(mode)
         if run is None:
-            noop = () if self.streams else (self.record_event, self.wait_event)
-            run = self._runs[(lo, hi)] = [b for b in self._bound[lo:hi] if b[0] not in noop]
+            run = self._runs[mode] = self._build_run(lo, hi, plain)
+        return run
+
+    def _build_run(self, lo: int, hi: int, plain: bool) -> list[tuple[Callable, tuple]]:
+        noop = () if self.streams else (self.record_event, self.wait_event)
+        run: list[tuple[Callable, tuple]] = []
+        for fn, args in self._bound[lo:hi]:
+            if fn in noop:
+                continue
+            if fn == self.free and run and run[-1][0] in (self._free_run, self.call_plain) and run[-1][1][1] == args[0]:
+                # the same pops, in the same order, right after the launch (or free) before them
+                last, last_args = run[-1]
+                run[-1] = (last, (*last_args[:-1], last_args[-1] + args[1:]))
+                continue
+            if fn == self.call_stage and plain:
+                node, stage, mb, cross, inputs, outputs, stream, experts = args
+                switch = bool(self.streams) and not (stream is StreamKind.COMP and self._comp_current)
+                if not switch and not (cross and self.streams) and not (experts and self._carveout is not None):
+                    run.append((self.call_plain, (stage, mb, inputs, outputs, ())))
+                    continue
+            if fn == self.free:  # (None, mb, values): the shape call_plain's arguments end in
+                run.append((self._free_run, (None, args[0], args[1:])))
+                continue
+            run.append((fn, args))
         return run
 
     # ---------------------------------------------------------------- running
@@ -573,6 +601,31 @@ class ProgramRunner:
         store.update(zip(outputs, outs))
         if graphed:
             state.graph_owned.update((mb, v) for v in outputs)
+
+    def call_plain(self, stage: Stage, mb: int, inputs: tuple[str, ...], outputs: tuple[str, ...],
+                   drop: tuple[str, ...]) -> None:
+        """:meth:`call_stage` where its launch needs nothing around the stage (chosen per run by
+        :meth:`_nodes`): the stage's code called directly (as :meth:`Stage.__call__` calls it,
+        its ``compiled`` read at each call), its failure reported as :meth:`call_stage` does;
+        then the :meth:`free` of ``drop``, the values the program frees right after it."""
+        store = self._state.stores[mb]
+        args = [store[v] for v in inputs]
+        try:
+            compiled = stage.compiled
+            outs = compiled(*args) if compiled is not None else stage.graph_module.forward(*args)
+        except Exception as e:
+            if self._on_error is not None:
+                self._on_error(e)
+            raise StageFailed.of(stage, mb, e) from e
+        store.update(zip(outputs, outs))
+        for v in drop:
+            store.pop(v, None)
+
+    def _free_run(self, _stage: None, mb: int, values: tuple[str, ...]) -> None:
+        """:meth:`free` as :meth:`_nodes` binds it (its arguments shaped as :meth:`call_plain`'s end)."""
+        store = self._state.stores[mb]
+        for v in values:
+            store.pop(v, None)
 
     def _launch(self, node: torch.fx.Node, stage: Stage, args: list, carve: int | None) -> tuple[Sequence, bool]:
         """A launch through the hook, the CUDA graphs or the carveout: its outputs, and whether
