@@ -390,19 +390,24 @@ class ProgramRunner:
         """The context that makes ``stream`` current: none where it is current already (the
         compute stream is the caller's current one, on this runner's device, during
         :meth:`execute`), so only comm-stream work switches streams."""
-        if not self.streams or (stream is StreamKind.COMP and self._comp_current):
+        if not self._switches(stream):
             return _NO_STREAM
         return torch.cuda.stream(self.streams[stream])
+
+    def _switches(self, stream: StreamKind) -> bool:
+        """Whether a launch on ``stream`` makes another stream current (:meth:`_ctx`)."""
+        return bool(self.streams) and not (stream is StreamKind.COMP and self._comp_current)
 
     def _nodes(self, lo: int, hi: int) -> list[tuple[Callable, tuple]]:
         """The nodes of span ``(lo, hi)`` as this run executes them, built once per span and
         launch mode: without streams the event nodes are no-ops, left out (the spans keep
         their indices); a stage launch that needs none of :meth:`call_stage`'s extras in this
-        run (no hook, CUDA graphs, layout check, carveout, stream switch or cross-stream record)
-        is bound to :meth:`call_plain`, which does the same with less host work per launch; and
+        run (no hook, layout check, carveout, stream switch or cross-stream record, and no CUDA
+        graph of its own) is bound to :meth:`call_plain`, which does the same with less host
+        work per launch; and
         the frees of a microbatch that follow a launch or a free of it are done by that call."""
-        plain = self.hook is None and self.cuda_graphs is None and self.layouts is None
-        mode = (lo, hi, plain, self._carveout is None, self._comp_current)
+        plain = self.hook is None and self.layouts is None
+        mode = (lo, hi, plain, self.cuda_graphs is None, self._carveout is None, self._comp_current)
         run = self._runs.get(mode)
         if run is None:
             run = self._runs[mode] = self._build_run(lo, hi, plain)
@@ -421,8 +426,10 @@ class ProgramRunner:
                 continue
             if fn == self.call_stage and plain:
                 node, stage, mb, cross, inputs, outputs, stream, experts = args
-                switch = bool(self.streams) and not (stream is StreamKind.COMP and self._comp_current)
-                if not switch and not (cross and self.streams) and not (experts and self._carveout is not None):
+                switch = self._switches(stream)
+                graphed = stage.graphed and self.cuda_graphs is not None
+                if (not switch and not graphed and not (cross and self.streams)
+                        and not (experts and self._carveout is not None)):
                     run.append((self.call_plain, (stage, mb, inputs, outputs, ())))
                     continue
             if fn == self.free:  # (None, mb, values): the shape call_plain's arguments end in
@@ -607,12 +614,15 @@ class ProgramRunner:
         """:meth:`call_stage` where its launch needs nothing around the stage (chosen per run by
         :meth:`_nodes`): the stage's code called directly (as :meth:`Stage.__call__` calls it,
         its ``compiled`` read at each call), its failure reported as :meth:`call_stage` does;
-        then the :meth:`free` of ``drop``, the values the program frees right after it."""
+        then the :meth:`free` of ``drop``, the values the program frees right after it. A run
+        with CUDA graphs notes the reads of graph memory, as :meth:`_launch` does."""
         store = self._state.stores[mb]
         args = [store[v] for v in inputs]
         try:
             compiled = stage.compiled
             outs = compiled(*args) if compiled is not None else stage.graph_module.forward(*args)
+            if self.cuda_graphs is not None:
+                self.cuda_graphs.note_reads(args)
         except Exception as e:
             if self._on_error is not None:
                 self._on_error(e)
