@@ -502,10 +502,13 @@ class ProgramRunner:
         # no comm kernel runs beside the experts (one rank, no emulated link): nothing to leave SMs to.
         # (A CUDA-graphed experts stage keeps the carveout of the run that captured it.)
         self._carveout = self.sm_carveout if self.comm_kernels_run() else None
+        grad = torch.is_grad_enabled()
         try:
             # the stages run exactly as traced: autocast's casts are in their graphs already, and
             # an ambient autocast would cast their ops again (AOTAutograd's runtime does the same)
-            with torch.no_grad(), torch._C._DisableAutocast():
+            # (grad mode set directly: torch.no_grad() is two Python objects per call)
+            torch._C._set_grad_enabled(False)
+            with torch._C._DisableAutocast():
                 if not self.record_memory:
                     for fn, args in self._nodes(lo, hi):
                         fn(*args)
@@ -515,6 +518,7 @@ class ProgramRunner:
                         if traced is not None:
                             state.memory_trace.append((*traced, live_bytes(state.stores, state.static_keys)))
         finally:
+            torch._C._set_grad_enabled(grad)
             self._state = None
             self._comp_current = False
         if self.streams and part == "forward":
