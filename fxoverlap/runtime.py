@@ -501,7 +501,8 @@ class ProgramRunner:
         self._state = state
         # no comm kernel runs beside the experts (one rank, no emulated link): nothing to leave SMs to.
         # (A CUDA-graphed experts stage keeps the carveout of the run that captured it.)
-        self._carveout = self.sm_carveout if self.comm_kernels_run() else None
+        # (asked only where there is a carveout to set: the question resolves the EP groups)
+        self._carveout = self.sm_carveout if self.sm_carveout is not None and self.comm_kernels_run() else None
         grad = torch.is_grad_enabled()
         try:
             # the stages run exactly as traced: autocast's casts are in their graphs already, and
