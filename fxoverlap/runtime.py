@@ -52,6 +52,12 @@ CHECK_LAYOUTS_ENV = "FXOVERLAP_CHECK_LAYOUTS"
 
 _NO_STREAM = contextlib.nullcontext()  # reusable: no state between uses
 
+# A stage runs under no_grad, so autograd's kernels only pass each op on (a custom op's
+# Python autograd kernel checks the inputs and redispatches past autograd itself: several
+# Python frames per call). A stage's ops dispatch past autograd directly, as a custom op's
+# own no-grad path does; views and version counters (ADInplaceOrView) are kept.
+_BelowAutograd = torch._C._AutoDispatchBelowAutograd
+
 
 def check_layouts_requested() -> bool:
     """Whether ``FXOVERLAP_CHECK_LAYOUTS`` asks for the layout debug check (any value but ``""``/``0``)."""
@@ -601,7 +607,8 @@ class ProgramRunner:
                 if self.layouts is not None:
                     self.layouts.check(stage, args, mb)
                 if carve is None and self.hook is None and self.cuda_graphs is None:
-                    outs = stage(*args)
+                    with _BelowAutograd():
+                        outs = stage(*args)
                 else:
                     outs, graphed = self._launch(node, stage, args, carve)
             except Exception as e:
@@ -625,7 +632,8 @@ class ProgramRunner:
         args = [store[v] for v in inputs]
         try:
             compiled = stage.compiled
-            outs = compiled(*args) if compiled is not None else stage.graph_module.forward(*args)
+            with _BelowAutograd():
+                outs = compiled(*args) if compiled is not None else stage.graph_module.forward(*args)
             if self.cuda_graphs is not None:
                 self.cuda_graphs.note_reads(args)
         except Exception as e:
