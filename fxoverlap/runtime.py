@@ -52,6 +52,12 @@ CHECK_LAYOUTS_ENV = "FXOVERLAP_CHECK_LAYOUTS"
 
 _NO_STREAM = contextlib.nullcontext()  # reusable: no state between uses
 
+# A stage runs under no_grad, so autograd's kernels only pass each op on (a custom op's
+# Python autograd kernel checks the inputs and redispatches past autograd itself: several
+# Python frames per call). A stage's ops dispatch past autograd directly, as a custom op's
+# own no-grad path does; views and version counters (ADInplaceOrView) are kept.
+_BelowAutograd = torch._C._AutoDispatchBelowAutograd
+
 
 def check_layouts_requested() -> bool:
     """Whether ``FXOVERLAP_CHECK_LAYOUTS`` asks for the layout debug check (any value but ``""``/``0``)."""
@@ -366,8 +372,8 @@ class ProgramRunner:
         self._spans: dict[str, tuple[int, int]] = {
             "all": (0, end), "forward": (0, split), "backward": (split, end),
             "input_grads": (split, weight), "weight_grads": (weight, end)}
-        # per span run: its nodes less those that do nothing here (events without streams)
-        self._runs: dict[tuple[int, int], list[tuple[Callable, tuple]]] = {}
+        # per span and launch mode, the nodes as a run executes them (_nodes)
+        self._runs: dict[tuple, list[tuple[Callable, tuple]]] = {}
         # the tangents' seeds (default: ones, as loss.backward() seeds), by shape and dtype
         self._seeds = [(ph, node.meta["val"]) for ph in self.capture.tangents
                        for node in self.capture.graph_module.graph.find_nodes(op="placeholder", target=ph)[:1]]
@@ -390,17 +396,52 @@ class ProgramRunner:
         """The context that makes ``stream`` current: none where it is current already (the
         compute stream is the caller's current one, on this runner's device, during
         :meth:`execute`), so only comm-stream work switches streams."""
-        if not self.streams or (stream is StreamKind.COMP and self._comp_current):
+        if not self._switches(stream):
             return _NO_STREAM
         return torch.cuda.stream(self.streams[stream])
 
+    def _switches(self, stream: StreamKind) -> bool:
+        """Whether a launch on ``stream`` makes another stream current (:meth:`_ctx`)."""
+        return bool(self.streams) and not (stream is StreamKind.COMP and self._comp_current)
+
     def _nodes(self, lo: int, hi: int) -> list[tuple[Callable, tuple]]:
-        """The nodes of span ``(lo, hi)`` that do something on this runner: without streams the
-        event nodes are no-ops, left out (the spans keep their indices)."""
-        run = self._runs.get((lo, hi))
+        """The nodes of span ``(lo, hi)`` as this run executes them, built once per span and
+        launch mode: without streams the event nodes are no-ops, left out (the spans keep
+        their indices); a stage launch that needs none of :meth:`call_stage`'s extras in this
+        run (no hook, layout check, carveout, stream switch or cross-stream record, and no CUDA
+        graph of its own) is bound to :meth:`call_plain`, which does the same with less host
+        work per launch; and
+        the frees of a microbatch that follow a launch or a free of it are done by that call."""
+        plain = self.hook is None and self.layouts is None
+        mode = (lo, hi, plain, self.cuda_graphs is None, self._carveout is None, self._comp_current)
+        run = self._runs.get(mode)
         if run is None:
-            noop = () if self.streams else (self.record_event, self.wait_event)
-            run = self._runs[(lo, hi)] = [b for b in self._bound[lo:hi] if b[0] not in noop]
+            run = self._runs[mode] = self._build_run(lo, hi, plain)
+        return run
+
+    def _build_run(self, lo: int, hi: int, plain: bool) -> list[tuple[Callable, tuple]]:
+        noop = () if self.streams else (self.record_event, self.wait_event)
+        run: list[tuple[Callable, tuple]] = []
+        for fn, args in self._bound[lo:hi]:
+            if fn in noop:
+                continue
+            if fn == self.free and run and run[-1][0] in (self._free_run, self.call_plain) and run[-1][1][1] == args[0]:
+                # the same pops, in the same order, right after the launch (or free) before them
+                last, last_args = run[-1]
+                run[-1] = (last, (*last_args[:-1], last_args[-1] + args[1:]))
+                continue
+            if fn == self.call_stage and plain:
+                node, stage, mb, cross, inputs, outputs, stream, experts = args
+                switch = self._switches(stream)
+                graphed = stage.graphed and self.cuda_graphs is not None
+                if (not switch and not graphed and not (cross and self.streams)
+                        and not (experts and self._carveout is not None)):
+                    run.append((self.call_plain, (stage, mb, inputs, outputs, ())))
+                    continue
+            if fn == self.free:  # (None, mb, values): the shape call_plain's arguments end in
+                run.append((self._free_run, (None, args[0], args[1:])))
+                continue
+            run.append((fn, args))
         return run
 
     # ---------------------------------------------------------------- running
@@ -466,11 +507,15 @@ class ProgramRunner:
         self._state = state
         # no comm kernel runs beside the experts (one rank, no emulated link): nothing to leave SMs to.
         # (A CUDA-graphed experts stage keeps the carveout of the run that captured it.)
-        self._carveout = self.sm_carveout if self.comm_kernels_run() else None
+        # (asked only where there is a carveout to set: the question resolves the EP groups)
+        self._carveout = self.sm_carveout if self.sm_carveout is not None and self.comm_kernels_run() else None
+        grad = torch.is_grad_enabled()
         try:
             # the stages run exactly as traced: autocast's casts are in their graphs already, and
             # an ambient autocast would cast their ops again (AOTAutograd's runtime does the same)
-            with torch.no_grad(), torch._C._DisableAutocast():
+            # (grad mode set directly: torch.no_grad() is two Python objects per call)
+            torch._C._set_grad_enabled(False)
+            with torch._C._DisableAutocast():
                 if not self.record_memory:
                     for fn, args in self._nodes(lo, hi):
                         fn(*args)
@@ -480,6 +525,7 @@ class ProgramRunner:
                         if traced is not None:
                             state.memory_trace.append((*traced, live_bytes(state.stores, state.static_keys)))
         finally:
+            torch._C._set_grad_enabled(grad)
             self._state = None
             self._comp_current = False
         if self.streams and part == "forward":
@@ -561,7 +607,8 @@ class ProgramRunner:
                 if self.layouts is not None:
                     self.layouts.check(stage, args, mb)
                 if carve is None and self.hook is None and self.cuda_graphs is None:
-                    outs = stage(*args)
+                    with _BelowAutograd():
+                        outs = stage(*args)
                 else:
                     outs, graphed = self._launch(node, stage, args, carve)
             except Exception as e:
@@ -573,6 +620,35 @@ class ProgramRunner:
         store.update(zip(outputs, outs))
         if graphed:
             state.graph_owned.update((mb, v) for v in outputs)
+
+    def call_plain(self, stage: Stage, mb: int, inputs: tuple[str, ...], outputs: tuple[str, ...],
+                   drop: tuple[str, ...]) -> None:
+        """:meth:`call_stage` where its launch needs nothing around the stage (chosen per run by
+        :meth:`_nodes`): the stage's code called directly (as :meth:`Stage.__call__` calls it,
+        its ``compiled`` read at each call), its failure reported as :meth:`call_stage` does;
+        then the :meth:`free` of ``drop``, the values the program frees right after it. A run
+        with CUDA graphs notes the reads of graph memory, as :meth:`_launch` does."""
+        store = self._state.stores[mb]
+        args = [store[v] for v in inputs]
+        try:
+            compiled = stage.compiled
+            with _BelowAutograd():
+                outs = compiled(*args) if compiled is not None else stage.graph_module.forward(*args)
+            if self.cuda_graphs is not None:
+                self.cuda_graphs.note_reads(args)
+        except Exception as e:
+            if self._on_error is not None:
+                self._on_error(e)
+            raise StageFailed.of(stage, mb, e) from e
+        store.update(zip(outputs, outs))
+        for v in drop:
+            store.pop(v, None)
+
+    def _free_run(self, _stage: None, mb: int, values: tuple[str, ...]) -> None:
+        """:meth:`free` as :meth:`_nodes` binds it (its arguments shaped as :meth:`call_plain`'s end)."""
+        store = self._state.stores[mb]
+        for v in values:
+            store.pop(v, None)
 
     def _launch(self, node: torch.fx.Node, stage: Stage, args: list, carve: int | None) -> tuple[Sequence, bool]:
         """A launch through the hook, the CUDA graphs or the carveout: its outputs, and whether

@@ -311,6 +311,8 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(cg.GraphCache, "get", get)
     monkeypatch.setattr(ProgramRunner, "_ctx", stream_ctx)
+    # as on a GPU during execute: comm launches switch streams, compute launches stay (call_plain)
+    monkeypatch.setattr(ProgramRunner, "_switches", lambda self, stream: stream is not StreamKind.COMP)
     backend.made = made
     return backend
 

@@ -1,12 +1,15 @@
 """Host (Python) time per training step of both front ends, on CPU at tiny shapes.
 
-    python -m fxoverlap.bench host-time [--front optimize,backend] [--steps 200]
+    python -m fxoverlap.bench host-time [--front optimize,backend,compile] [--steps 200]
         [--profile 20] [--layers 2] [--microbatches 2] [--compiler eager]
 
 The reference MoE model (``MoEConfig.tiny``: dim 64, 4 heads, 8 experts top-2, dropless) on one
 rank without a process group, tokens ``(2, 16)``: the kernels are tiny, so the step's time is
 mostly host work. ``optimize``: ``engine.forward_backward(mbs, loss_fn)``; ``backend``:
-``compiled(tokens, labels).backward()`` per microbatch. After ``--warmup`` steps (compiles and
+``compiled(tokens, labels).backward()`` per microbatch; ``compile``: the same loop through plain
+``torch.compile(model)`` (``--compiler inductor``: Inductor; ``eager``: AOTAutograd's graphs run op
+by op, as ``backend="aot_eager"``), the target the backend's host time is compared with (its
+compiled forward and backward graphs are timed and replayed as the stages are). After ``--warmup`` steps (compiles and
 first calls) it reports the median and mean ms per step over ``--steps`` steps, the stage
 launches per step, and, with ``--profile N``, cProfile's top entries (own time) over N steps.
 Gradients are zeroed between steps (set_to_none) outside the timed region.
@@ -47,6 +50,18 @@ def build(front: str, args):
 
         def stages():
             return engine.stages
+    elif front == "compile":
+        fxoverlap.enable_dynamic_output_shapes()  # as the backend row: dropless routing in one graph
+        torch._dynamo.reset()
+        parts: list[CompiledPart] = []
+        compiled = torch.compile(model, backend=plain_backend(args.compiler, parts))
+
+        def step():
+            for tokens, labels in batches:
+                compiled(tokens, labels).backward()
+
+        def stages():
+            return parts
     else:
         fxoverlap.enable_dynamic_output_shapes()
         torch._dynamo.reset()
@@ -60,6 +75,55 @@ def build(front: str, args):
         def stages():
             return backend.last.stages
     return model, step, stages
+
+
+class CompiledPart:
+    """One of plain torch.compile's compiled graphs (a forward or a backward), shaped as the clock
+    and :func:`replay` see a stage: ``compiled`` is the callable its runtime calls (``holder.attr``)."""
+
+    graph_module = None
+
+    def __init__(self, holder, attr: str) -> None:
+        self._holder, self._attr = holder, attr
+
+    @property
+    def compiled(self):
+        return getattr(self._holder, self._attr)
+
+    @compiled.setter
+    def compiled(self, fn) -> None:
+        setattr(self._holder, self._attr, fn)
+
+
+def plain_backend(compiler: str, parts: list[CompiledPart]):
+    """torch.compile's own path, recording each compiled graph in ``parts``: ``inductor``,
+    Inductor (its ``CompiledFxGraph.current_callable``, the generated code, is what is timed);
+    ``eager``, AOTAutograd with the graphs run op by op (``aot_eager``)."""
+    import types
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    if compiler == "inductor":
+        def inner(gm, example_inputs, **kwargs):
+            out = compile_fx_inner(gm, example_inputs, **kwargs)
+            if hasattr(out, "current_callable"):
+                parts.append(CompiledPart(out, "current_callable"))
+            return out
+
+        def backend(gm, example_inputs):
+            # AOTAutograd's cache would load the graphs without calling ``inner``
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(gm, example_inputs, inner_compile=inner)
+        return backend
+
+    def graph(gm, example_inputs):
+        holder = types.SimpleNamespace(fn=gm.forward)
+        parts.append(CompiledPart(holder, "fn"))
+        return make_boxed_func(lambda *args: holder.fn(*args))
+
+    return aot_autograd(fw_compiler=graph, bw_compiler=graph)
 
 
 class StageClock:

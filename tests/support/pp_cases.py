@@ -275,7 +275,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     from fxoverlap.runtime import ProgramRunner
 
     merged_calls: list[list[tuple[str, str]]] = []
-    orig_turns, orig_call = Turns.run, ProgramRunner.call_stage
+    orig_turns, orig_call, orig_plain = Turns.run, ProgramRunner.call_stage, ProgramRunner.call_plain
     orig_batch, orig_wait = pl_schedules._batch_p2p, fxpp._wait_works
     # each OVERLAP_F_B step: its F and B stage indices, whether it merged, and its events in
     # order: stage calls (direction, kind), sends issued ("send", desc: "fxoverlap_fwd_send" /
@@ -295,7 +295,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     wgrad_calls = {"in_W": 0, "elsewhere": 0}
     in_weight_step = [False]
 
-    def call_stage(self, node, stage, mb, cross, *bound):
+    def note(stage):
         what = (str(stage.direction), str(stage.kind) + (f".{stage.part}" if str(stage.part) else ""))
         if merged_calls and merged_calls[-1] is not None:
             merged_calls[-1].append(what)
@@ -303,7 +303,14 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
             current[0].append(what)
         if str(stage.part) == "wgrad":
             wgrad_calls["in_W" if in_weight_step[0] else "elsewhere"] += 1
+
+    def call_stage(self, node, stage, mb, cross, *bound):
+        note(stage)
         return orig_call(self, node, stage, mb, cross, *bound)
+
+    def call_plain(self, stage, mb, *bound):  # the runtime's launch where nothing wraps the stage
+        note(stage)
+        return orig_plain(self, stage, mb, *bound)
 
     ours = list(sched.fxoverlap_run.stages.values())  # the stages the schedule runs (built from ours)
 
@@ -348,12 +355,12 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
                 overlap_steps[-1]["merged"] = sched.fxoverlap_merged_steps > before
 
         fmap[pl_schedules.OVERLAP_F_B] = overlap
-    Turns.run, ProgramRunner.call_stage = turns, call_stage
+    Turns.run, ProgramRunner.call_stage, ProgramRunner.call_plain = turns, call_stage, call_plain
     pl_schedules._batch_p2p, fxpp._wait_works = batch_p2p, wait_works
     try:
         sched.step(*args, **kwargs)
     finally:
-        Turns.run, ProgramRunner.call_stage = orig_turns, orig_call
+        Turns.run, ProgramRunner.call_stage, ProgramRunner.call_plain = orig_turns, orig_call, orig_plain
         pl_schedules._batch_p2p, fxpp._wait_works = orig_batch, orig_wait
         fmap.update(orig_fmap)
     order = getattr(sched, "pipeline_order_with_comms", None)
