@@ -448,6 +448,8 @@ def test_hf_real_rows_carry_chunks_nolink_and_forward_modes(tmp_path, capsys):
         chunks = int(cmd[cmd.index("--chunks") + 1]) if "--chunks" in cmd else None
         ms = {"compile": 100.0, "compile_forward": 40.0}.get(cmd[i + 2], 50.0)
         row = dict(model=cmd[i + 1], mode=cmd[i + 2], chunks=chunks, step_ms=ms)
+        if cmd[i + 2] in ("compile", "backend"):  # bf16 gradients against eager's
+            row["grad_rel"] = {None: 0.1, 1: 0.12, 3: 0.2}[chunks]
         return subprocess.CompletedProcess(cmd, 0, stdout="noise\nRESULT " + json.dumps(row) + "\n")
 
     fake_subprocess = types.SimpleNamespace(run=fake_run, PIPE=subprocess.PIPE, TimeoutExpired=subprocess.TimeoutExpired)
@@ -465,6 +467,14 @@ def test_hf_real_rows_carry_chunks_nolink_and_forward_modes(tmp_path, capsys):
     assert len(rows) == 14 and (tmp_path / "deepseek_v3_backend_c3_nolink.log").exists()
     # forward rows against compile_forward (40 / 50 ms); no compile row, so the training backend has none
     assert [r.get("speedup_vs_compile") for r in rows[:7]] == [None, 0.8, 0.8, 0.8, 0.8, None, None]
+    # a training row is judged against torch.compile's own bf16 difference too
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_gpu, "subprocess", fake_subprocess)
+        commands.main(["hf", "--real", "--out", str(tmp_path / "t"), "--models", "olmoe", "--modes", "backend,compile",
+                       "--chunks", "1,3"])
+    rows = [json.loads(ln) for ln in (tmp_path / "t" / "hf_gpu_real.jsonl").read_text().splitlines()]
+    assert [(r["mode"], r.get("grad_rel_compile"), r.get("ok_vs_compile")) for r in rows] == [
+        ("compile", None, None), ("backend", 0.1, True), ("backend", 0.1, False)]
     assert hf_gpu.row_command("olmoe", "optimize", 3) == [sys.executable, "-m", "fxoverlap.bench", "hf", "--one",
                                                           "olmoe", "optimize", "--iters", "3"]  # as before
     with pytest.raises(SystemExit, match="unknown mode 'fwd'"):
