@@ -197,6 +197,10 @@ class OverlapConfig:
             ``float("inf")`` gathers each unit once per step. In between, the shortest gaps are
             kept first while the gathered parameters stay within the budget. Each kept gap
             saves one all-gather of the unit's bytes over ``dp_group``.
+        unshard_ahead: with ``shard_params``, how many uses ahead of its first reader a
+            unit's all-gather is issued: ``1`` (the default) under the use just before it,
+            ``2`` one use earlier still (more time for the gather to finish where the DP link
+            is queued or slow; one more unit gathered at a time).
         reduce_bucket_mb: gradients are reduced in flat buckets of at least this
             many MiB (25, as DDP's ``bucket_cap_mb``), each issued as soon as its
             gradients are final; ``0``: one bucket per backward stage and group.
@@ -298,6 +302,10 @@ class OverlapConfig:
         BACKEND: "the backend does not shard parameters (optimize(..., dp_group=..., "
                  "config=OverlapConfig(shard_params=True)) does)",
         PIPELINE: "pipeline_schedule does not shard parameters yet"})
+    unshard_ahead: int = _field(1, "program", refused_by={
+        BACKEND: "the backend does not shard parameters (optimize(..., dp_group=..., "
+                 "config=OverlapConfig(shard_params=True)) does)",
+        PIPELINE: "pipeline_schedule does not shard parameters yet"})
     chunks: int | None = _field(None, "stages")
     chunks_in_merged_steps: bool = _field(False, "program", refused_by=dict.fromkeys(
         (BACKEND, PIPELINE), "its programs run one microbatch at a time, so they have no merged steps (their "
@@ -369,6 +377,12 @@ class OverlapConfig:
                               f"once per step), got {self.keep_gathered_mb}")
         if self.keep_gathered_mb and not self.shard_params:
             raise ConfigError("OverlapConfig.keep_gathered_mb keeps sharded parameters gathered between uses: it needs "
+                              "shard_params=True")
+        if isinstance(self.unshard_ahead, bool) or not isinstance(self.unshard_ahead, int) or self.unshard_ahead < 1:
+            raise ConfigError(f"OverlapConfig.unshard_ahead must be an int >= 1 (uses ahead of the reader a gather "
+                              f"is issued), got {self.unshard_ahead!r}")
+        if self.unshard_ahead != 1 and not self.shard_params:
+            raise ConfigError("OverlapConfig.unshard_ahead places the gathers of sharded parameters: it needs "
                               "shard_params=True")
         if not self.reduce_bucket_mb >= 0:
             raise ConfigError(f"OverlapConfig.reduce_bucket_mb must be >= 0 (MiB), got {self.reduce_bucket_mb}")

@@ -194,7 +194,7 @@ def _reduce(st: PassState) -> None:
 
 def _shard(st: PassState) -> None:
     st.program = shard(st.program, st.stages, st.capture, st.units,
-                       keep_gathered_bytes=st.config.keep_gathered_mb * 2**20)
+                       keep_gathered_bytes=st.config.keep_gathered_mb * 2**20, unshard_ahead=st.config.unshard_ahead)
 
 
 def _streams(st: PassState) -> None:

@@ -17,15 +17,19 @@ Guarantees, for every unit ``u`` of ``units`` and every parameter of it (by FQN)
   ends (the unit then stays gathered through the gap instead of being gathered again at once);
 - each use is bracketed by ``wait_unshard(u)`` right before its first reader and
   ``reshard(u)`` right after its last: no stage reads a parameter of ``u`` outside one;
-- ``unshard(u)`` (the gather's start) comes one use ahead: right before the
-  ``wait_unshard`` of the last use that starts at an earlier reader (any unit's), so a gather
-  is in flight under the previous unit's compute; never before ``u``'s previous ``reshard``;
-  the uses that start at the program's first reader gather at the start of the program;
+- ``unshard(u)`` (the gather's start) comes ``unshard_ahead`` uses ahead (1 by default):
+  right before the ``wait_unshard`` of the uses that start ``unshard_ahead`` first readers
+  earlier (any unit's), so a gather is in flight under the previous units' compute; never
+  before ``u``'s previous ``reshard``; the uses that start at the program's first
+  ``unshard_ahead`` readers gather at the start of the program;
+- with ``keep_gathered_bytes`` > 0, a unit stays gathered between two of its uses where the
+  gathered bytes stay within that budget (or the placement's own peak), shortest gaps first;
 - ``program_of(program).units`` is ``units`` and ``.gathered_peak`` the most units gathered or
   being gathered at any point of the program (``unshard`` .. ``reshard``). Bound: the uses
   open at one point (1F1B's merged step F(i+1) ⊗ B(i): a forward and a backward layer, each
   a dense and an expert unit; with ``delay_wgrad`` the expert units whose weight-gradient
-  part waits for its slot) plus the one gather ahead.
+  part waits for its slot) plus the gathers ahead (``unshard_ahead`` uses' units), plus the
+  units a ``keep_gathered_bytes`` budget keeps.
 
 Units (:func:`param_units`): one per group of parameters read by the same layers (the tags'
 ``layer``: ``-1`` embed, ``num_layers`` head, so tied embed/head weights share one), of one
@@ -132,7 +136,7 @@ def param_units(capture: Capture, ranks: Mapping[str, int],
 
 
 def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Capture,
-          units: Sequence[ParamUnit], keep_gathered_bytes: float = 0) -> torch.fx.GraphModule:
+          units: Sequence[ParamUnit], keep_gathered_bytes: float = 0, unshard_ahead: int = 1) -> torch.fx.GraphModule:
     graph = program.graph
     by_name = {s.name: s for s in stages}
     placeholder = {fqn: ph for ph, fqn in capture.param_placeholders.items()}
@@ -165,9 +169,11 @@ def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Captu
                 uses[-1][1] = last
         else:
             uses.append([first, last])
-    _keep_through_short_gaps(per_unit, order)
+    if unshard_ahead < 1:
+        raise InternalError(f"shard: unshard_ahead must be >= 1, got {unshard_ahead}")
+    _keep_through_short_gaps(per_unit, order, unshard_ahead)
     if keep_gathered_bytes > 0:
-        _keep_within(per_unit, order, {u.index: u.nbytes for u in units}, keep_gathered_bytes)
+        _keep_within(per_unit, order, {u.index: u.nbytes for u in units}, keep_gathered_bytes, unshard_ahead)
 
     # 3. placement
     uses = sorted(((first, last, u, i) for u, us in per_unit.items() for i, (first, last) in enumerate(us)),
@@ -179,14 +185,13 @@ def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Captu
         with graph.inserting_before(first):
             waits[(u, i)] = graph.call_function(program_ops.wait_unshard, (u,))
     start = next(n for n in graph.nodes if n.op != "placeholder")
-    ahead_of: dict[torch.fx.Node, torch.fx.Node] = {}  # a use's first reader -> where its gather starts
-    prev_first, at = None, start
+    first_wait: dict[torch.fx.Node, torch.fx.Node] = {}  # a reader -> the earliest wait placed before it
     for first, _, u, i in uses:
-        if first is not prev_first and prev_first is not None:
-            # the uses that start at this reader gather under those that start at the previous one
-            at = waits[next(x[2:] for x in uses if x[0] is prev_first)]
-        ahead_of.setdefault(first, at)
-        prev_first = first
+        first_wait.setdefault(first, waits[(u, i)])
+    readers = list(first_wait)
+    # the uses that start at a reader gather under those that start ``unshard_ahead`` readers earlier
+    ahead_of = {r: first_wait[readers[j - unshard_ahead]] if j >= unshard_ahead else start
+                for j, r in enumerate(readers)}
     for first, last, u, i in uses:
         at = ahead_of[first]
         if i > 0:  # not before this unit's previous use has dropped it
@@ -210,40 +215,42 @@ def shard(program: torch.fx.GraphModule, stages: Sequence[Stage], capture: Captu
     return program
 
 
-def _keep_through_short_gaps(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict) -> None:
-    """Merge a use into the unit's previous one where the gather one use ahead would start
-    before that previous use ends (dropping the unit only to gather it again at once: F(0)'s
-    head and B(0)'s, say)."""
+def _gather_starts(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict, ahead: int) -> dict[int, float]:
+    """Position (in ``order``) where the gathers of the uses that start at each first reader
+    are issued, as step 3 places them: before the first reader ``ahead`` readers earlier
+    (-1: the program's start), not yet held back by the unit's previous drop."""
+    readers = sorted({order[first] for us in per_unit.values() for first, _ in us})
+    return {r: readers[j - ahead] - 0.5 if j >= ahead else -1.0 for j, r in enumerate(readers)}
+
+
+def _keep_through_short_gaps(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict, ahead: int) -> None:
+    """Merge a use into the unit's previous one where its gather (``ahead`` uses ahead) would
+    start before that previous use ends (dropping the unit only to gather it again at once:
+    F(0)'s head and B(0)'s, say)."""
     while True:
-        uses = sorted(((order[first], u, i) for u, us in per_unit.items() for i, (first, _) in enumerate(us)))
-        for k in range(1, len(uses)):
-            _, u, i = uses[k]
-            if i > 0 and uses[k - 1][0] <= order[per_unit[u][i - 1][1]]:
-                per_unit[u][i - 1][1] = per_unit[u][i][1]
-                del per_unit[u][i]
-                break
-        else:
+        starts = _gather_starts(per_unit, order, ahead)
+        merge = [(order[us[i][0]], u, i) for u, us in per_unit.items() for i in range(1, len(us))
+                 if starts[order[us[i][0]]] <= order[us[i - 1][1]]]
+        if not merge:
             return
+        _, u, i = min(merge)
+        per_unit[u][i - 1][1] = per_unit[u][i][1]
+        del per_unit[u][i]
 
 
-def _intervals(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict) -> list[tuple[float, float, int]]:
+def _intervals(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict, ahead: int
+               ) -> list[tuple[float, float, int]]:
     """``(start, end, unit)`` of every use as step 3 places its nodes, in positions of ``order``:
-    gathered from one use ahead (before the first reader of the previous uses to start, or
-    right after the unit's previous drop, whichever is later) to right after its last reader."""
-    uses = sorted(((order[f], order[l], u, i) for u, us in per_unit.items() for i, (f, l) in enumerate(us)))
-    out, prev_first, ahead = [], None, -1.0
-    for first, last, u, i in uses:
-        if prev_first is not None and first != prev_first:
-            ahead = prev_first - 0.5
-        start = ahead if i == 0 else max(ahead, order[per_unit[u][i - 1][1]] + 0.5)
-        out.append((start, last + 0.5, u))
-        if first != prev_first:
-            prev_first = first
-    return out
+    gathered from :func:`_gather_starts`' position (or right after the unit's previous drop,
+    whichever is later) to right after its last reader."""
+    starts = _gather_starts(per_unit, order, ahead)
+    return [(starts[order[f]] if i == 0 else max(starts[order[f]], order[us[i - 1][1]] + 0.5), order[l] + 0.5, u)
+            for u, us in per_unit.items() for i, (f, l) in enumerate(us)]
 
 
-def _peak_bytes(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict, nbytes: Mapping[int, int]) -> int:
-    events = sorted((x, kind, u) for s, e, u in _intervals(per_unit, order) for x, kind in ((s, 1), (e, 0)))
+def _peak_bytes(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict, nbytes: Mapping[int, int],
+                ahead: int) -> int:
+    events = sorted((x, kind, u) for s, e, u in _intervals(per_unit, order, ahead) for x, kind in ((s, 1), (e, 0)))
     live = peak = 0
     for _, kind, u in events:  # at a tie a drop comes first: the nodes run drop, then gather
         live += nbytes[u] if kind else -nbytes[u]
@@ -252,18 +259,18 @@ def _peak_bytes(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict, nby
 
 
 def _keep_within(per_unit: dict[int, list[list[torch.fx.Node]]], order: dict, nbytes: Mapping[int, int],
-                 budget: float) -> None:
+                 budget: float, ahead: int) -> None:
     """Keep units gathered between uses while the gathered bytes stay within ``budget`` (or
     the placement's own peak, if that is higher): each merge saves one gather of the unit.
     Greedy, the shortest gaps first (the least memory held per gather saved)."""
-    cap = max(budget, _peak_bytes(per_unit, order, nbytes))
+    cap = max(budget, _peak_bytes(per_unit, order, nbytes, ahead))
     gaps = sorted(((order[us[i][0]] - order[us[i - 1][1]], u, us[i][0]) for u, us in per_unit.items()
                    for i in range(1, len(us))), key=lambda g: (g[0], order[g[2]]))
     for _, u, first in gaps:
         uses = per_unit[u]
         i = next(k for k, use in enumerate(uses) if use[0] is first)
         merged = [*uses[:i - 1], [uses[i - 1][0], uses[i][1]], *uses[i + 1:]]
-        if _peak_bytes({**per_unit, u: merged}, order, nbytes) <= cap:
+        if _peak_bytes({**per_unit, u: merged}, order, nbytes, ahead) <= cap:
             per_unit[u] = merged
 
 

@@ -136,12 +136,13 @@ def _capture(ac: bool = False):
     return model, cap
 
 
-def _program(n: int = 3, static: bool = True, keep: float = 0):
+def _program(n: int = 3, static: bool = True, keep: float = 0, ahead: int = 1):
     _, cap = _capture()
     gm = tag(cap)
     stages = split(gm, cap.num_layers, static=frozenset(cap.static_placeholders) if static else None)
     units = param_units(cap, {"dense": 2, "expert": 2})
-    return cap, stages, units, shard(schedule(stages, cap, n), stages, cap, units, keep_gathered_bytes=keep)
+    return cap, stages, units, shard(schedule(stages, cap, n), stages, cap, units, keep_gathered_bytes=keep,
+                                     unshard_ahead=ahead)
 
 
 def test_units_follow_layers_and_roles():
@@ -183,14 +184,14 @@ def _gathers(program) -> int:
     return sum(1 for n in program.graph.nodes if n.target is unshard)
 
 
-@pytest.mark.parametrize("keep", [0, 1, "half", float("inf")])
-def test_placement_snapshot_invariants(keep):
+@pytest.mark.parametrize("keep,ahead", [(0, 1), (1, 1), ("half", 1), (float("inf"), 1), (0, 2)])
+def test_placement_snapshot_invariants(keep, ahead):
     """Every reader of a unit's parameters runs between its wait and its drop; each gather is
     issued at least one stage before its wait (the program's first excepted); with a
     ``keep_gathered_mb`` budget too (bytes here: 1 byte keeps only what costs no extra peak)."""
     if keep == "half":
         keep = sum(u.nbytes for u in _program()[2]) / 2
-    cap, _, units, program = _program(keep=keep)
+    cap, _, units, program = _program(keep=keep, ahead=ahead)
     placeholder = {fqn: ph for ph, fqn in cap.param_placeholders.items()}
     ph_unit = {placeholder[p.fqn]: u.index for u in units for p in u.params}
     gathered, issued, stages_since = set(), {}, 0
@@ -212,7 +213,7 @@ def test_placement_snapshot_invariants(keep):
             needed = {ph_unit[v] for v in step.reads if v in ph_unit}
             assert needed <= gathered, (node.name, needed - gathered)
     assert not gathered and not issued
-    assert program_of(program).gathered_peak <= (5 if keep < float("inf") else len(units))
+    assert program_of(program).gathered_peak <= (5 if keep < float("inf") and ahead == 1 else len(units))
     from fxoverlap.passes.manager import format_plan
 
     assert format_plan(program).endswith(f"at most {program_of(program).gathered_peak} of 6 parameter units gathered")
@@ -239,6 +240,29 @@ def test_keep_gathered_budget_trades_gathers_for_memory():
     assert rows[1][1] > rows[3][1] > len(units), rows  # in between: some gaps kept, not all
 
 
+def test_unshard_ahead_issues_gathers_earlier():
+    """``unshard_ahead=2``: gathers run under more stages before their wait than with 1 (and
+    each still at least one, the program's first two readers' excepted); the program gathers
+    no more often."""
+    def stages_ahead(program) -> list[int]:
+        issued, since, out = {}, 0, []
+        for node in program.graph.nodes:
+            if node.target is unshard:
+                issued[node.args[0]] = since
+            elif node.target is wait_unshard:
+                out.append(since - issued.pop(node.args[0]))
+            elif node.op == "call_module":
+                since += 1
+        return out
+
+    cap, stages, units, one = _program()
+    two = shard(schedule(stages, cap, 3), stages, cap, units, unshard_ahead=2)
+    a1, a2 = stages_ahead(one), stages_ahead(two)
+    assert sum(a2) / len(a2) > sum(a1) / len(a1) + 0.5, (a1, a2)
+    assert _gathers(two) <= _gathers(one)
+    assert program_of(two).gathered_peak > program_of(one).gathered_peak
+
+
 def test_param_units_refuse_undivisible_parameters():
     _, cap = _capture()
     with pytest.raises(ShardError, match=r"over 3 ranks"):
@@ -254,6 +278,10 @@ def test_config_refuses_cuda_graphs_autotune_and_front_ends():
         fxoverlap.OverlapConfig(keep_gathered_mb=100)
     with pytest.raises(fxoverlap.ConfigError, match="keep_gathered_mb must be >= 0"):
         fxoverlap.OverlapConfig(shard_params=True, keep_gathered_mb=-1)
+    with pytest.raises(fxoverlap.ConfigError, match="unshard_ahead must be an int >= 1"):
+        fxoverlap.OverlapConfig(shard_params=True, unshard_ahead=0)
+    with pytest.raises(fxoverlap.ConfigError, match="unshard_ahead.*needs shard_params=True"):
+        fxoverlap.OverlapConfig(unshard_ahead=2)
     from fxoverlap.config import refused_fields
 
     assert "shard_params" in refused_fields(fxoverlap.OverlapConfig(shard_params=True), "backend")

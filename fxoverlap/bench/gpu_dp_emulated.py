@@ -12,7 +12,8 @@ shard tiled M times (the values are not the model's), and every DP collective ho
 its own for ``latency + bytes * (M - 1) / M / bandwidth`` (``--dp-link`` GB/s per rank).
 
 Per mode (``zero2``: ``grad_reduce="reduce_scatter"``; ``zero3``: ``shard_params=True``;
-``zero3@MB``: with ``keep_gathered_mb=MB``, e.g. ``zero3@inf``: each unit gathered once per step), one
+``zero3@MB``: with ``keep_gathered_mb=MB``, e.g. ``zero3@inf``: each unit gathered once per step;
+a ``/aN`` suffix: ``unshard_ahead=N``, e.g. ``zero3/a2``), one
 child process each (the peak memory of one mode per process; ``--one-process`` runs them in
 this one, resetting the peak between modes), the median ``forward_backward`` time of three link
 settings after a compile step with no links:
@@ -56,15 +57,24 @@ from fxoverlap.models import MoETransformer
 MODES = ("zero2", "zero3")
 
 
-def parse_mode(mode: str) -> tuple[str, float] | None:
-    """``("zero2", 0)``, ``("zero3", keep_gathered_mb)`` (``zero3``: 0; ``zero3@MB``: MB), or
-    ``None`` for a name that is neither."""
-    name, _, keep = mode.partition("@")
+def _file_tag(mode: str) -> str:
+    """The mode in a file name (``zero3@inf/a2`` -> ``zero3_keepinf_a2``)."""
+    return mode.replace("@", "_keep").replace("/a", "_a")
+
+
+def parse_mode(mode: str) -> tuple[str, float, int] | None:
+    """``("zero2", 0, 1)`` or ``("zero3", keep_gathered_mb, unshard_ahead)`` (``zero3``: 0, 1;
+    ``zero3@MB``: keep MB; a ``/aN`` suffix: ``unshard_ahead=N``, e.g. ``zero3/a2``,
+    ``zero3@inf/a2``), or ``None`` for a name that is neither."""
+    rest, _, ahead = mode.partition("/a")
+    name, _, keep = rest.partition("@")
     try:
-        mb = float(keep) if keep else 0.0
+        mb, n = float(keep) if keep else 0.0, int(ahead) if ahead else 1
     except ValueError:
         return None
-    return (name, mb) if name == "zero3" or (name == "zero2" and not keep) else None
+    if name == "zero2":
+        return ("zero2", 0.0, 1) if not keep and not ahead else None
+    return ("zero3", mb, n) if name == "zero3" and n >= 1 else None
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -78,7 +88,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--link-gbps", type=float, default=100.0, help="the emulated EP link, GB/s (default 100)")
     g.add_argument("--link-latency-us", type=float, default=20.0)
     g.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of zero2,zero3,zero3@MB (OverlapConfig.keep_gathered_mb=MB, "
-                                                                "e.g. zero3@inf: each unit gathered once per step)")
+                                                                "e.g. zero3@inf: each unit gathered once per step), "
+                                                                "zero3/aN (unshard_ahead=N)")
     g.add_argument("--one-process", action="store_true",
                    help="every mode in this process (peak memory reset between modes) instead of one child each")
 
@@ -117,9 +128,9 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
     p_d = sum(p.numel() for p in model.parameters()) * esize - p_e
     m_e = m if ep_group is None else 1  # expert_dp_group=None under emulated EP: M_e = M / N = 1 (N = M)
     batches = make_batches(cfg, n, mbs, seq, device)
-    kind, keep = parse_mode(mode)
+    kind, keep, ahead = parse_mode(mode)
     config = fxoverlap.OverlapConfig(grad_reduce="reduce_scatter", shard_params=kind == "zero3",
-                                     keep_gathered_mb=keep,
+                                     keep_gathered_mb=keep, unshard_ahead=ahead,
                                      compiler=args.compiler, delay_wgrad=args.delay_wgrad,
                                      reduce_bucket_mb=args.bucket_mb, progress=False)
     engine = fxoverlap.optimize(model, ep_group, config, dp_group=dp_group)
@@ -260,7 +271,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
         torch.cuda.set_device(device)
     modes = [x.strip() for x in args.modes.split(",") if x.strip()]
     if bad := [x for x in modes if parse_mode(x) is None]:
-        raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)} or zero3@MB (keep_gathered_mb=MB)")
+        raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)} or zero3@MB (keep_gathered_mb=MB), zero3/aN (unshard_ahead=N)")
     rows = []
 
     def emit(row: dict) -> None:
@@ -274,14 +285,14 @@ def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
             continue
         from fxoverlap.bench.commands import subprocess_env
 
-        path = os.path.join(args.out, f"gpu_dp_emulated_{mode}.json")
+        path = os.path.join(args.out, f"gpu_dp_emulated_{_file_tag(mode)}.json")
         cmd = [sys.executable, "-m", "fxoverlap.bench", "dp", *argv, "--modes", mode]
         subprocess.run(cmd, check=True, env=subprocess_env())
         with open(path) as f:
             emit(next(r for r in json.load(f) if r.get("kind") == "mode"))
     if len(modes) > 1:
         emit(summary(rows))
-    name = "gpu_dp_emulated.json" if len(modes) > 1 else f"gpu_dp_emulated_{modes[0]}.json"
+    name = "gpu_dp_emulated.json" if len(modes) > 1 else f"gpu_dp_emulated_{_file_tag(modes[0])}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(rows, f, indent=1, default=str)
     if dist.is_initialized():
