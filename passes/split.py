@@ -12,10 +12,10 @@ in graph order, as its own GraphModule. Its inputs are the values it reads from
 placeholders or other stages (saved activations are simply forward-stage outputs
 that a backward stage reads); its outputs are the values another stage or the graph
 output reads; a stage whose inputs' shapes use an unbacked size only inside an
-expression (``u + 120``) takes that size as an input too, so a compiler can bind it. Every stage records whether a CUDA graph can hold it
-(``not_capturable_reason``: communication, a host sync, a data-dependent shape, an
-in-place op, or nothing to launch), with the node that makes it so: the one place
-that is decided. The joint graph is not changed.
+expression (``u + 120``) takes that size as an input too, so a compiler can bind it.
+Every stage records whether a CUDA graph can hold it (``not_capturable_reason``:
+communication, a host sync, a data-dependent shape, an in-place op, or nothing to
+launch), with the node that makes it so: the one place that is decided. The joint graph is not changed.
 
 With ``delay_wgrad``, each backward ``attn``/``experts``/``mlp`` stage is cut in
 two: the weight-gradient part (nodes whose results reach only parameter-gradient
@@ -124,9 +124,12 @@ def _symbols_to_pass(gm: torch.fx.GraphModule, groups: dict[Tag, list[torch.fx.N
                 sizes = (x,) if isinstance(x, torch.SymInt) else (
                     (*x.shape, *x.stride()) if isinstance(x, torch.Tensor) else ())
                 for size in sizes:
-                    if isinstance(size, torch.SymInt):
-                        expr = size.node.expr
-                        (bare.add(expr) if expr.is_Symbol else used.update(free_unbacked_symbols(expr)))
+                    if not isinstance(size, torch.SymInt):
+                        continue
+                    if size.node.expr.is_Symbol:
+                        bare.add(size.node.expr)
+                    else:
+                        used.update(free_unbacked_symbols(size.node.expr))
         missing = sorted(used - bare, key=str)
         if take := [defined[u] for u in missing if u in defined and defined[u] not in members]:
             out[tag] = take
