@@ -87,9 +87,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--emulate-ep", type=int, default=8, metavar="N", help="emulated EP size (default 8)")
     g.add_argument("--link-gbps", type=float, default=100.0, help="the emulated EP link, GB/s (default 100)")
     g.add_argument("--link-latency-us", type=float, default=20.0)
-    g.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of zero2,zero3,zero3@MB (OverlapConfig.keep_gathered_mb=MB, "
-                                                                "e.g. zero3@inf: each unit gathered once per step), "
-                                                                "zero3/aN (unshard_ahead=N)")
+    g.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated subset of zero2,zero3,zero3@MB (OverlapConfig.keep_gathered_mb=MB, e.g. "
+                        "zero3@inf: each unit gathered once per step), zero3/aN (unshard_ahead=N)")
     g.add_argument("--one-process", action="store_true",
                    help="every mode in this process (peak memory reset between modes) instead of one child each")
 
@@ -271,7 +271,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
         torch.cuda.set_device(device)
     modes = [x.strip() for x in args.modes.split(",") if x.strip()]
     if bad := [x for x in modes if parse_mode(x) is None]:
-        raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)} or zero3@MB (keep_gathered_mb=MB), zero3/aN (unshard_ahead=N)")
+        raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)} or zero3@MB (keep_gathered_mb=MB), "
+                         f"zero3/aN (unshard_ahead=N)")
     rows = []
 
     def emit(row: dict) -> None:

@@ -396,7 +396,8 @@ def main() -> None:
         result["torchao"] = torchao.__version__
     except ImportError:
         pass
-    parts = {"kernels": kernels, "numerics": numerics, "speed": lambda: speed(out_dir, a.budget, a.link_gbps, a.layers, a.microbatches, a.row_timeout, a.rows),
+    parts = {"kernels": kernels, "numerics": numerics,
+             "speed": lambda: speed(out_dir, a.budget, a.link_gbps, a.layers, a.microbatches, a.row_timeout, a.rows),
              "curve": lambda: curve(out_dir, a.steps, compiler=a.curve_compiler)}
     for name in filter(None, (s.strip() for s in a.parts.split(","))):
         t0 = time.time()
