@@ -313,13 +313,14 @@ def summarize(out_dir: str, link_gbps: float) -> dict:
 # ---------------------------------------------------------------- 4. loss curve
 
 
-def curve(out_dir: str, steps: int, device: str = "cuda", compiler: str = "eager") -> dict:
+def curve(out_dir: str, steps: int, device: str = "cuda", compiler: str = "eager", cfg: MoEConfig | None = None,
+          batch: tuple[int, int] = (4, 128)) -> dict:
     """``steps`` AdamW steps through fxoverlap, bf16 and FP8 experts on the same weights and data.
     Eager stages by default: the curve is about FP8's numerics over training, and eager stages
     are the ops eager runs (Inductor's compile would take most of a GPU call's budget); the
     partial curves are written to ``fp8_curve_partial.json`` every 25 steps."""
     dev = torch.device(device)
-    cfg = MoEConfig.tiny(n_layers=4, dim=512, n_heads=8, n_experts=8, top_k=2, expert_dim=512, vocab_size=2048)
+    cfg = cfg or MoEConfig.tiny(n_layers=4, dim=512, n_heads=8, n_experts=8, top_k=2, expert_dim=512, vocab_size=2048)
     torch.manual_seed(0)
     base = MoETransformer(cfg, None).to(dev, torch.bfloat16)
     losses: dict[str, list[float]] = {}
@@ -331,7 +332,7 @@ def curve(out_dir: str, steps: int, device: str = "cuda", compiler: str = "eager
                                                                    progress=False))
         curve_ = losses.setdefault(name, [])
         for step in range(steps):
-            mbs = [tuple(t.to(dev) for t in mb) for mb in token_batches(cfg.vocab_size, 4, (4, 128), seed=step)]
+            mbs = [tuple(t.to(dev) for t in mb) for mb in token_batches(cfg.vocab_size, 4, batch, seed=step)]
             curve_.append(float(torch.stack(engine.forward_backward(mbs)).float().mean()))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -343,7 +344,10 @@ def curve(out_dir: str, steps: int, device: str = "cuda", compiler: str = "eager
         engine.close()
     tail = max(1, steps // 20)
     end = {k: sum(v[-tail:]) / tail for k, v in losses.items()}
-    res = {"steps": steps, "compiler": compiler, "losses": losses, "final_mean_last": end,
+    res = {"steps": steps, "compiler": compiler, "device": device, "model": {
+               "layers": cfg.n_layers, "dim": cfg.dim, "experts": cfg.n_experts, "top_k": cfg.top_k,
+               "expert_dim": cfg.expert_dim, "vocab": cfg.vocab_size, "tokens_per_step": 4 * batch[0] * batch[1]},
+           "losses": losses, "final_mean_last": end,
            "final_rel": abs(end["fp8"] - end["bf16"]) / end["bf16"]}
     res["ok"] = res["final_rel"] <= 0.01
     try:
