@@ -25,6 +25,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from fxoverlap import direct_ops
 from fxoverlap.ir import program as program_ops
 from fxoverlap.ir.meta import STEP_KEY
 from fxoverlap.ir.capture import Capture, inner_value
@@ -57,6 +58,16 @@ _NO_STREAM = contextlib.nullcontext()  # reusable: no state between uses
 # Python frames per call). A stage's ops dispatch past autograd directly, as a custom op's
 # own no-grad path does; views and version counters (ADInplaceOrView) are kept.
 _BelowAutograd = torch._C._AutoDispatchBelowAutograd
+_NOTHING = _NO_STREAM  # a run that enters no guard around its nodes
+
+
+def direct_calls_allowed() -> bool:
+    """Whether a stage may run its direct copy now (:mod:`fxoverlap.direct_ops`): no torch
+    dispatch or function mode (the op must reach it), no profiler (the op's range) and no
+    Dynamo frame callback (the op's ``disable`` wrapper keeps Dynamo off its kernel)."""
+    cb = torch._C._dynamo.eval_frame.get_eval_frame_callback()
+    return ((cb is None or cb is False) and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled() and not torch._C._autograd._profiler_enabled())
 
 
 def check_layouts_requested() -> bool:
@@ -252,6 +263,16 @@ class RunState:
     grads: GradSink | None = None  # where this run's gradients go (None: the runner's own sink)
 
 
+class _Run(NamedTuple):
+    """A span's nodes as one launch mode runs them (:meth:`ProgramRunner._nodes`), and whether
+    the run may enter the below-autograd guard once around them: where the gradients are
+    handed out as outputs (no sink), and where a sink takes them."""
+
+    nodes: list[tuple[Callable, tuple]]
+    below: bool
+    below_with_sink: bool
+
+
 class ProgramRunner:
     """Walks a program: stage calls, events, frees, outputs, gradients, buffer updates.
 
@@ -302,6 +323,8 @@ class ProgramRunner:
         self.comm_kernels_run = comm_kernels_run  # asked at each run: does its exchange run comm kernels?
         self._carveout: int | None = None  # this run's (execute)
         self._comp_current = False  # execute: the compute stream is the current one (on our device)
+        self._direct = False  # execute: eager stages may run their direct copies (direct_calls_allowed)
+        self._below = False  # execute: the run's nodes run past autograd's dispatch already
         self._state: RunState | None = None
         self._on_error: Callable | None = None
         self.streams: dict[StreamKind, object] = {}
@@ -373,7 +396,7 @@ class ProgramRunner:
             "all": (0, end), "forward": (0, split), "backward": (split, end),
             "input_grads": (split, weight), "weight_grads": (weight, end)}
         # per span and launch mode, the nodes as a run executes them (_nodes)
-        self._runs: dict[tuple, list[tuple[Callable, tuple]]] = {}
+        self._runs: dict[tuple, _Run] = {}
         # the tangents' seeds (default: ones, as loss.backward() seeds), by shape and dtype
         self._seeds = [(ph, node.meta["val"]) for ph in self.capture.tangents
                        for node in self.capture.graph_module.graph.find_nodes(op="placeholder", target=ph)[:1]]
@@ -404,14 +427,16 @@ class ProgramRunner:
         """Whether a launch on ``stream`` makes another stream current (:meth:`_ctx`)."""
         return bool(self.streams) and not (stream is StreamKind.COMP and self._comp_current)
 
-    def _nodes(self, lo: int, hi: int) -> list[tuple[Callable, tuple]]:
+    def _nodes(self, lo: int, hi: int) -> _Run:
         """The nodes of span ``(lo, hi)`` as this run executes them, built once per span and
         launch mode: without streams the event nodes are no-ops, left out (the spans keep
         their indices); a stage launch that needs none of :meth:`call_stage`'s extras in this
         run (no hook, layout check, carveout, stream switch or cross-stream record, and no CUDA
         graph of its own) is bound to :meth:`call_plain`, which does the same with less host
-        work per launch; and
-        the frees of a microbatch that follow a launch or a free of it are done by that call."""
+        work per launch; the frees of a microbatch that follow a launch or a free of it are
+        done by that call; and each eager stage's launch carries its direct copy
+        (:mod:`fxoverlap.direct_ops`, None where it has none), which :meth:`execute` allows or
+        not per run."""
         plain = self.hook is None and self.layouts is None
         mode = (lo, hi, plain, self.cuda_graphs is None, self._carveout is None, self._comp_current)
         run = self._runs.get(mode)
@@ -419,30 +444,44 @@ class ProgramRunner:
             run = self._runs[mode] = self._build_run(lo, hi, plain)
         return run
 
-    def _build_run(self, lo: int, hi: int, plain: bool) -> list[tuple[Callable, tuple]]:
+    def _build_run(self, lo: int, hi: int, plain: bool) -> _Run:
         noop = () if self.streams else (self.record_event, self.wait_event)
-        run: list[tuple[Callable, tuple]] = []
+        nodes: list[tuple[Callable, tuple]] = []
         for fn, args in self._bound[lo:hi]:
             if fn in noop:
                 continue
-            if fn == self.free and run and run[-1][0] in (self._free_run, self.call_plain) and run[-1][1][1] == args[0]:
+            if fn == self.free and nodes and nodes[-1][0] in (self._free_run, self.call_plain) and nodes[-1][1][1] == args[0]:
                 # the same pops, in the same order, right after the launch (or free) before them
-                last, last_args = run[-1]
-                run[-1] = (last, (*last_args[:-1], last_args[-1] + args[1:]))
+                last, last_args = nodes[-1]
+                nodes[-1] = (last, (*last_args[:-1], last_args[-1] + args[1:]))
                 continue
-            if fn == self.call_stage and plain:
+            if fn == self.call_stage:
                 node, stage, mb, cross, inputs, outputs, stream, experts = args
+                direct = direct_ops.direct_module(stage.graph_module) if stage.compiled is None else None
                 switch = self._switches(stream)
                 graphed = stage.graphed and self.cuda_graphs is not None
-                if (not switch and not graphed and not (cross and self.streams)
+                if (plain and not switch and not graphed and not (cross and self.streams)
                         and not (experts and self._carveout is not None)):
-                    run.append((self.call_plain, (stage, mb, inputs, outputs, ())))
+                    nodes.append((self.call_plain, (stage, mb, inputs, outputs, direct, ())))
                     continue
-            if fn == self.free:  # (None, mb, values): the shape call_plain's arguments end in
-                run.append((self._free_run, (None, args[0], args[1:])))
+                nodes.append((fn, (*args, direct)))
                 continue
-            run.append((fn, args))
-        return run
+            if fn == self.free:  # (None, mb, values): the shape call_plain's arguments end in
+                nodes.append((self._free_run, (None, args[0], args[1:])))
+                continue
+            nodes.append((fn, args))
+        # Which runs may enter the below-autograd guard once, around all their nodes, rather
+        # than once per launch: those of launches that would enter it themselves (no hook,
+        # layout check, CUDA graphs or carveout), frees, events and outputs (a detach or a
+        # clone of a value that needs no gradient: the same tensor below autograd), and
+        # gradient hand-outs where they are outputs (no sink: a sink's code is not ours).
+        bare = plain and self.cuda_graphs is None and self._carveout is None
+        ok = {self.call_plain, self._free_run, self.output, self.record_event, self.wait_event}
+        if bare:
+            ok.add(self.call_stage)
+        fns = {fn for fn, _ in nodes}
+        below = fns <= ok | {self.accumulate}
+        return _Run(nodes, below, below and self.accumulate not in fns)
 
     # ---------------------------------------------------------------- running
     def start(self, static: dict[str, torch.Tensor], microbatches: Sequence[Sequence[torch.Tensor]],
@@ -509,6 +548,9 @@ class ProgramRunner:
         # (A CUDA-graphed experts stage keeps the carveout of the run that captured it.)
         # (asked only where there is a carveout to set: the question resolves the EP groups)
         self._carveout = self.sm_carveout if self.sm_carveout is not None and self.comm_kernels_run() else None
+        # eager stages call fxoverlap's custom ops' kernels directly unless something must see the ops
+        # (asked once per run: nothing a stage runs enters a mode, a profiler or a Dynamo callback)
+        self._direct = self.layouts is None and direct_calls_allowed()
         grad = torch.is_grad_enabled()
         try:
             # the stages run exactly as traced: autocast's casts are in their graphs already, and
@@ -517,8 +559,12 @@ class ProgramRunner:
             torch._C._set_grad_enabled(False)
             with torch._C._DisableAutocast():
                 if not self.record_memory:
-                    for fn, args in self._nodes(lo, hi):
-                        fn(*args)
+                    run = self._nodes(lo, hi)
+                    self._below = run.below if state.grads is None else run.below_with_sink
+                    # one below-autograd guard for the run where its launches would each enter it
+                    with _BelowAutograd() if self._below else _NOTHING:
+                        for fn, args in run.nodes:
+                            fn(*args)
                 else:
                     for (fn, args), traced in zip(self._bound[lo:hi], self._traced[lo:hi]):
                         fn(*args)
@@ -528,6 +574,7 @@ class ProgramRunner:
             torch._C._set_grad_enabled(grad)
             self._state = None
             self._comp_current = False
+            self._direct = self._below = False
         if self.streams and part == "forward":
             self.streams[StreamKind.COMP].wait_stream(self.streams[StreamKind.COMM])
         if part != "forward" and hi == len(self._bound) and self.record_memory:
@@ -583,11 +630,13 @@ class ProgramRunner:
 
     # ---------------------------------------------------------------- node kinds
     def call_stage(self, node: torch.fx.Node, stage: Stage, mb: int, cross: tuple[int, ...],
-                   inputs: tuple[str, ...], outputs: tuple[str, ...], stream: StreamKind, experts: bool) -> None:
+                   inputs: tuple[str, ...], outputs: tuple[str, ...], stream: StreamKind, experts: bool,
+                   direct: torch.fx.GraphModule | None = None) -> None:
         """Launch ``stage`` on microbatch ``mb`` (``inputs`` / ``outputs``: its value names;
-        ``stream``: its stream; ``experts``: its grouped GEMMs take the SM carveout), all fixed
-        when the node was bound. The common launch (no hook, no CUDA graphs, no carveout, no
-        layout check) calls the stage itself (:meth:`Stage.__call__`), with no wrapper around it."""
+        ``stream``: its stream; ``experts``: its grouped GEMMs take the SM carveout; ``direct``:
+        its graph's direct copy, :meth:`_code`), all fixed when the node was bound. The common
+        launch (no hook, no CUDA graphs, no carveout, no layout check) calls the stage's code
+        itself, with no wrapper around it."""
         state = self._state
         store = state.stores[mb]
         graphed = False
@@ -607,10 +656,13 @@ class ProgramRunner:
                 if self.layouts is not None:
                     self.layouts.check(stage, args, mb)
                 if carve is None and self.hook is None and self.cuda_graphs is None:
-                    with _BelowAutograd():
-                        outs = stage(*args)
+                    if self._below:  # the run entered the guard
+                        outs = self._code(stage, direct)(*args)
+                    else:
+                        with _BelowAutograd():
+                            outs = self._code(stage, direct)(*args)
                 else:
-                    outs, graphed = self._launch(node, stage, args, carve)
+                    outs, graphed = self._launch(node, stage, args, carve, direct)
             except Exception as e:
                 if self._on_error is not None:
                     self._on_error(e)
@@ -622,18 +674,23 @@ class ProgramRunner:
             state.graph_owned.update((mb, v) for v in outputs)
 
     def call_plain(self, stage: Stage, mb: int, inputs: tuple[str, ...], outputs: tuple[str, ...],
-                   drop: tuple[str, ...]) -> None:
+                   direct: torch.fx.GraphModule | None, drop: tuple[str, ...]) -> None:
         """:meth:`call_stage` where its launch needs nothing around the stage (chosen per run by
-        :meth:`_nodes`): the stage's code called directly (as :meth:`Stage.__call__` calls it,
-        its ``compiled`` read at each call), its failure reported as :meth:`call_stage` does;
-        then the :meth:`free` of ``drop``, the values the program frees right after it. A run
-        with CUDA graphs notes the reads of graph memory, as :meth:`_launch` does."""
+        :meth:`_nodes`): the stage's code (:meth:`_code`, inlined) called directly, its failure
+        reported as :meth:`call_stage` does; then the :meth:`free` of ``drop``, the values the
+        program frees right after it. A run with CUDA graphs notes the reads of graph memory,
+        as :meth:`_launch` does."""
         store = self._state.stores[mb]
         args = [store[v] for v in inputs]
         try:
-            compiled = stage.compiled
-            with _BelowAutograd():
-                outs = compiled(*args) if compiled is not None else stage.graph_module.forward(*args)
+            code = stage.compiled  # read at each call: a test may swap it
+            if code is None:
+                code = direct.forward if direct is not None and self._direct else stage.graph_module.forward
+            if self._below:  # the run entered the guard
+                outs = code(*args)
+            else:
+                with _BelowAutograd():
+                    outs = code(*args)
             if self.cuda_graphs is not None:
                 self.cuda_graphs.note_reads(args)
         except Exception as e:
@@ -650,7 +707,19 @@ class ProgramRunner:
         for v in values:
             store.pop(v, None)
 
-    def _launch(self, node: torch.fx.Node, stage: Stage, args: list, carve: int | None) -> tuple[Sequence, bool]:
+    def _code(self, stage: Stage, direct: torch.fx.GraphModule | None) -> Callable:
+        """What runs ``stage`` (as :meth:`Stage.__call__` picks, ``compiled`` read at each call: a
+        test may swap it): its compiled callable, else its graph's direct copy (``direct``:
+        fxoverlap's custom ops called past the dispatcher, :mod:`fxoverlap.direct_ops`) where
+        this run allows it, else its graph's ``forward`` (directly: a stage module is ours and
+        has no hooks, so ``nn.Module.__call__`` is host work only)."""
+        compiled = stage.compiled
+        if compiled is not None:
+            return compiled
+        return direct.forward if direct is not None and self._direct else stage.graph_module.forward
+
+    def _launch(self, node: torch.fx.Node, stage: Stage, args: list, carve: int | None,
+                direct: torch.fx.GraphModule | None = None) -> tuple[Sequence, bool]:
         """A launch through the hook, the CUDA graphs or the carveout: its outputs, and whether
         they are graph memory."""
         graphed = [False]
@@ -659,7 +728,10 @@ class ProgramRunner:
             if stage.graphed and self.cuda_graphs is not None:
                 outs, graphed[0] = self.cuda_graphs.call(node, stage, args)
                 return outs
-            return stage(*args)
+            if self._below:
+                return self._code(stage, direct)(*args)
+            with _BelowAutograd():  # as call_stage's own launch: the stage's ops past autograd
+                return self._code(stage, direct)(*args)
 
         # a hook (the benchmark's) wraps the call the step makes, graphs included
         with sm_carveout(carve):

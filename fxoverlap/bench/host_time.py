@@ -27,6 +27,7 @@ import torch
 
 import fxoverlap
 import fxoverlap.backend as fxb
+from fxoverlap import direct_ops
 from fxoverlap.models import MoEConfig, MoETransformer
 from fxoverlap.testing import token_batches
 
@@ -140,7 +141,8 @@ class StageClock:
             if stage.compiled is not None:
                 stage.compiled = self._timed(stage.compiled)
             else:  # an instance attribute: found by GraphModule.__call__ and by a direct .forward alike
-                stage.graph_module.forward = self._timed(stage.graph_module.forward)
+                for gm in _eager_modules(stage):
+                    gm.forward = self._timed(gm.forward)
 
     def _timed(self, fn):
         clock = self
@@ -227,17 +229,25 @@ def replay(stages) -> None:
     tensors: the step's values are garbage, its host work the same): the step then runs the
     front end's host work and no kernel."""
     for stage in stages:
-        holder = stage if stage.compiled is not None else stage.graph_module
+        holders = [stage] if stage.compiled is not None else _eager_modules(stage)
         attr = "compiled" if stage.compiled is not None else "forward"
-        real = getattr(holder, attr)
-        seen: list = []
+        for holder in holders:
+            real = getattr(holder, attr)
+            seen: list = []
 
-        def fn(*args, real=real, seen=seen):
-            if not seen:
-                seen.append(real(*args))
-            return seen[0]
+            def fn(*args, real=real, seen=seen):
+                if not seen:
+                    seen.append(real(*args))
+                return seen[0]
 
-        setattr(holder, attr, fn)
+            setattr(holder, attr, fn)
+
+
+def _eager_modules(stage) -> list:
+    """The modules whose ``forward`` runs an eager stage: its graph's, and the runtime's direct
+    copy of it (``fxoverlap.direct_ops``: the custom ops called past the dispatcher) where it has one."""
+    direct = direct_ops.direct_module(stage.graph_module)
+    return [stage.graph_module] if direct is None else [stage.graph_module, direct]
 
 
 if __name__ == "__main__":
