@@ -20,8 +20,9 @@ and ``pip install --no-deps`` it there first. Parts (each adds its key to the JS
    EP 8, without a link and over 100 GB/s: ``python -m fxoverlap.bench run`` rows (one process
    each) for bf16, FP8 and torchao's FP8 under torch.compile (the baseline): the experts stages'
    time, the step with (fxoverlap) and without (torch.compile) overlap, FP8 against bf16.
-4. ``curve``: 200 AdamW steps of a small model through fxoverlap, bf16 and FP8: the last losses
-   within 1 % (a PNG beside the JSON when matplotlib is there).
+4. ``curve``: 200 AdamW steps of a small model through fxoverlap, bf16 and FP8, on data it can
+   learn (:func:`learnable_batches`): the last losses within 1 % (a PNG beside the JSON when
+   matplotlib is there).
 """
 
 from __future__ import annotations
@@ -313,6 +314,20 @@ def summarize(out_dir: str, link_gbps: float) -> dict:
 # ---------------------------------------------------------------- 4. loss curve
 
 
+def learnable_batches(vocab: int, n: int, shape: tuple[int, int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` microbatches ``(tokens, labels)`` a model can learn (random labels cannot be: the
+    loss would stay at ln(vocab) and say nothing of FP8): each label is a fixed permutation of
+    its token, 10 % of them replaced by random ids, so the loss falls from ~ln(vocab) to ~1."""
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(1234))
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, vocab, shape, generator=g)
+        noise = torch.rand(shape, generator=g) < 0.1
+        out.append((tokens, torch.where(noise, torch.randint(0, vocab, shape, generator=g), perm[tokens])))
+    return out
+
+
 def curve(out_dir: str, steps: int, device: str = "cuda", compiler: str = "eager", cfg: MoEConfig | None = None,
           batch: tuple[int, int] = (4, 128)) -> dict:
     """``steps`` AdamW steps through fxoverlap, bf16 and FP8 experts on the same weights and data.
@@ -332,7 +347,7 @@ def curve(out_dir: str, steps: int, device: str = "cuda", compiler: str = "eager
                                                                    progress=False))
         curve_ = losses.setdefault(name, [])
         for step in range(steps):
-            mbs = [tuple(t.to(dev) for t in mb) for mb in token_batches(cfg.vocab_size, 4, batch, seed=step)]
+            mbs = [tuple(t.to(dev) for t in mb) for mb in learnable_batches(cfg.vocab_size, 4, batch, seed=step)]
             curve_.append(float(torch.stack(engine.forward_backward(mbs)).float().mean()))
             opt.step()
             opt.zero_grad(set_to_none=True)
