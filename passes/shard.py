@@ -29,7 +29,8 @@ Guarantees, for every unit ``u`` of ``units`` and every parameter of it (by FQN)
   open at one point (1F1B's merged step F(i+1) ⊗ B(i): a forward and a backward layer, each
   a dense and an expert unit; with ``delay_wgrad`` the expert units whose weight-gradient
   part waits for its slot) plus the gathers ahead (``unshard_ahead`` uses' units), plus the
-  units a ``keep_gathered_bytes`` budget keeps.
+  units a ``keep_gathered_bytes`` budget keeps; ``.gathered_peak_bytes`` their most bytes
+  (within ``max(keep_gathered_bytes, the peak without a budget)``).
 
 Units (:func:`param_units`): one per group of parameters read by the same layers (the tags'
 ``layer``: ``-1`` embed, ``num_layers`` head, so tied embed/head weights share one), of one
@@ -41,16 +42,19 @@ Steps
 -----
 1. The readers of each unit: the stage calls reading its parameters' placeholders.
 2. Its uses: per (microbatch, direction) the span of its readers; overlapping spans merged, and
-   a use merged into the unit's previous one where its gather (one use ahead) would start
-   before that one ends.
+   a use merged into the unit's previous one where its gather (``unshard_ahead`` uses ahead)
+   would start before that one ends; then, with ``keep_gathered_bytes``, the shortest gaps
+   between a unit's uses merged while the gathered bytes (modelled from the placement of
+   step 3) stay within the budget.
 3. Placement: ``reshard`` after each use's last reader, ``wait_unshard`` before its first,
-   ``unshard`` before the ``wait_unshard`` of the last use that starts at an earlier reader (or
+   ``unshard`` before the waits of the uses that start ``unshard_ahead`` readers earlier (or
    after the unit's previous ``reshard``, whichever is later).
-4. ``gathered_peak`` by walking the placed nodes.
+4. ``gathered_peak`` and ``gathered_peak_bytes`` by walking the placed nodes.
 
 Entry points: ``param_units(capture, ranks) -> tuple[ParamUnit, ...]`` (decided once per
-model: the engine keeps them for every program) and ``shard(program, stages, capture, units)
--> GraphModule``.
+model: the engine keeps them for every program) and ``shard(program, stages, capture, units,
+keep_gathered_bytes=0, unshard_ahead=1) -> GraphModule`` (``OverlapConfig.keep_gathered_mb``
+and ``unshard_ahead``).
 """
 
 from __future__ import annotations
