@@ -106,7 +106,10 @@ def _symbols_to_pass(gm: torch.fx.GraphModule, groups: dict[Tag, list[torch.fx.N
     nodes reads them: an unbacked symbol ``u`` that its inputs' shapes use only inside an
     expression (``u + 120``: FP8's groups padded to 16 rows) and never bare. A compiler binds a
     stage's symbols from its inputs (a bare size, or a SymInt input); without ``u`` itself,
-    Inductor cannot generate the code for ``u + 120``."""
+    Inductor cannot generate the code for ``u + 120``. Only within one layer's MoE chain
+    (dispatch, experts, combine and their parts), where ``u`` is made: the stages outside
+    the chains stay the same whether ``chunk`` cut the layer or not, which its whole chains
+    need (``chunk.with_whole_chains``)."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     defined: dict[object, torch.fx.Node] = {}  # a bare symbol -> the first node whose value it is
@@ -131,9 +134,18 @@ def _symbols_to_pass(gm: torch.fx.GraphModule, groups: dict[Tag, list[torch.fx.N
                     else:
                         used.update(free_unbacked_symbols(size.node.expr))
         missing = sorted(used - bare, key=str)
-        if take := [defined[u] for u in missing if u in defined and defined[u] not in members]:
+        if take := [defined[u] for u in missing if u in defined and defined[u] not in members
+                    and _same_chain(tag, defined[u].meta.get(TAG_KEY))]:
             out[tag] = take
     return out
+
+
+_CHAIN_KINDS = (StageKind.DISPATCH, StageKind.EXPERTS, StageKind.COMBINE)
+
+
+def _same_chain(a: Tag | None, b: Tag | None) -> bool:
+    """Whether two tags are of one layer's MoE chain (dispatch, experts, combine)."""
+    return a is not None and b is not None and a.layer == b.layer and a.kind in _CHAIN_KINDS and b.kind in _CHAIN_KINDS
 
 
 def build_stage_module(
