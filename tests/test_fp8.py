@@ -267,6 +267,7 @@ def test_expert_parallel_family_fp8_matches_eager(fp8_here):
     assert ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
 
 
+@pytest.mark.slow  # ~30 s of cold Inductor compiles
 def test_fp8_inductor_stages_with_chunks_and_delayed_wgrad(fp8_here):
     """The padded rows of FP8's grouped GEMMs are ``u + G*15`` for the unbacked row count ``u``;
     a weight-gradient stage that reads only padded tensors takes ``u`` as an input (``split``), so
