@@ -61,7 +61,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import RNG_ORDER_KEY, TAG_KEY, op_name
-from fxoverlap.ir.stage import Direction, Stage, StageKind, Tag
+from fxoverlap.ir.stage import MOE_CHAIN_KINDS, Direction, Stage, StageKind, Tag
 from fxoverlap.kernels import a2a
 from fxoverlap.ops import COMBINE_CHUNK_OP, COMBINE_OP, DISPATCH_CHUNK_OP, DISPATCH_OP, MERGE_CHUNKS_OP
 from fxoverlap.passes.dispatcher import propagate_fake_values
@@ -413,7 +413,7 @@ def with_whole_chains(cut: list[Stage], whole: list[Stage]) -> tuple[list[Stage]
     cut_layers = {s.layer for s in cut if s.chunk is not None}
 
     def in_chain(s: Stage) -> bool:  # forward and backward: the backward reads what the forward saved
-        return s.kind in (K.DISPATCH, K.EXPERTS, K.COMBINE) and s.layer in cut_layers
+        return s.kind in MOE_CHAIN_KINDS and s.layer in cut_layers
 
     rest = {s.name: s for s in cut if not in_chain(s)}
     other = {s.name: s for s in whole if not in_chain(s)}

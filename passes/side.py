@@ -36,9 +36,7 @@ from __future__ import annotations
 import torch.fx
 
 from fxoverlap.ir.meta import TAG_KEY, computes
-from fxoverlap.ir.stage import Direction, Part, StageKind, Tag
-
-_LATE_KINDS = frozenset({StageKind.DISPATCH, StageKind.EXPERTS, StageKind.COMBINE})
+from fxoverlap.ir.stage import MOE_CHAIN_KINDS, Direction, Part, StageKind, Tag
 
 
 def _groups(gm: torch.fx.GraphModule) -> dict[tuple, list[torch.fx.Node]]:
@@ -66,7 +64,7 @@ def _backward_early(attn: list[torch.fx.Node], layer: int) -> list[torch.fx.Node
         for p in n.all_input_nodes:
             t = p.meta.get(TAG_KEY)
             if p in late or (t is not None and t.direction is Direction.BWD and t.layer == layer
-                             and t.kind in _LATE_KINDS):
+                             and t.kind in MOE_CHAIN_KINDS):
                 late.add(n)
                 break
     return [n for n in attn if n not in late]

@@ -44,7 +44,7 @@ import torch.fx
 import torch.nn as nn
 
 from fxoverlap.ir.meta import RECOMPUTE_LAYERS_KEY, TAG_KEY, computes, draws_random_numbers, is_host_sync, op_name
-from fxoverlap.ir.stage import COMM_KINDS, Direction, Part, Stage, StageKind, Tag, stage_name
+from fxoverlap.ir.stage import COMM_KINDS, MOE_CHAIN_KINDS, Direction, Part, Stage, StageKind, Tag, stage_name
 from fxoverlap.ir.errors import InternalError
 
 
@@ -140,12 +140,10 @@ def _symbols_to_pass(gm: torch.fx.GraphModule, groups: dict[Tag, list[torch.fx.N
     return out
 
 
-_CHAIN_KINDS = (StageKind.DISPATCH, StageKind.EXPERTS, StageKind.COMBINE)
-
-
 def _same_chain(a: Tag | None, b: Tag | None) -> bool:
     """Whether two tags are of one layer's MoE chain (dispatch, experts, combine)."""
-    return a is not None and b is not None and a.layer == b.layer and a.kind in _CHAIN_KINDS and b.kind in _CHAIN_KINDS
+    return (a is not None and b is not None and a.layer == b.layer and a.kind in MOE_CHAIN_KINDS
+            and b.kind in MOE_CHAIN_KINDS)
 
 
 def build_stage_module(

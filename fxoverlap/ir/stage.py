@@ -60,6 +60,8 @@ class Part(str, enum.Enum):
 
 COMM_KINDS = frozenset({StageKind.DISPATCH, StageKind.COMBINE, StageKind.RECOMPUTE_COMM})
 RECOMPUTE_KINDS = frozenset({StageKind.RECOMPUTE, StageKind.RECOMPUTE_COMM})
+# One MoE layer's chain: what ``chunk`` cuts, what side work runs beside.
+MOE_CHAIN_KINDS = frozenset({StageKind.DISPATCH, StageKind.EXPERTS, StageKind.COMBINE})
 
 # The order of kinds inside one layer's forward; the backward walks it in reverse.
 # A dense layer has only ATTN and MLP; a MoE layer has no MLP.
