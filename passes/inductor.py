@@ -320,9 +320,12 @@ def _unserializable(fn):
 def direct_stage(art, n_outputs: int) -> DirectStage | None:
     """The :class:`DirectStage` of a ``standalone_compile`` artifact, or None (call the artifact)
     when AOTAutograd's runtime wrapper does more than :class:`DirectStage` may skip, or its
-    layout is not the one this was written against (torch 2.13's: artifact -> Dynamo's
-    ``disable`` -> ``aot_module_simplified``'s ``forward`` -> the inference ``runtime_wrapper``
-    -> ``CompiledFxGraph``, with AOTAutograd's cache entry around one of the last two)."""
+    layout is not one this was written against: artifact -> Dynamo's ``disable`` ->
+    ``aot_module_simplified``'s ``forward`` -> the inference ``runtime_wrapper`` ->
+    ``CompiledFxGraph``, with AOTAutograd's cache entry around one of the last two. torch 2.13's
+    runtime wrapper runs generated code (checked by the names it uses); torch 2.11's is a plain
+    closure over the graph's metadata, with two pass-through wrappers below it
+    (:func:`_graph_under_closure_wrapper`)."""
     from torch._inductor.output_code import CompiledFxGraph
 
     fn = getattr(art, "_compiled_fn", None)
@@ -337,9 +340,12 @@ def direct_stage(art, n_outputs: int) -> DirectStage | None:
     rw = _unserializable(_cell(fwd, "compiled_fn"))
     if getattr(rw, "__qualname__", "") != "_create_runtime_wrapper.<locals>.runtime_wrapper":
         return None  # another wrapper (dedupe, synthetic base, subclasses) or none
-    graph = _unserializable(_cell(rw, "_inner_compiled_fn"))
     generated = _cell(rw, "_codegen_runtime_wrapper")
-    if type(graph) is not CompiledFxGraph or generated is None:
+    if generated is None:  # torch 2.11
+        graph = _graph_under_closure_wrapper(rw)
+        return None if graph is None else DirectStage(graph, art, n_outputs)
+    graph = _unserializable(_cell(rw, "_inner_compiled_fn"))
+    if type(graph) is not CompiledFxGraph:
         return None  # effect tokens, functionalised RNG, a subclass: a wrapper in between
     names = {k for k in generated.__globals__ if not k.startswith("__") and not k.startswith("_dyn_dims_")}
     used = {k for k in generated.__code__.co_names if not k.startswith("_dyn_dims_")}
@@ -350,6 +356,48 @@ def direct_stage(art, n_outputs: int) -> DirectStage | None:
     if sets != 3:
         return None
     return DirectStage(graph, art, n_outputs)
+
+
+def _code_name(fn) -> str:
+    # the code object's name: functools.wraps rewrites a wrapper's __qualname__ to the wrapped one's
+    code = getattr(fn, "__code__", None)
+    return code.co_qualname if code is not None else ""
+
+
+# torch 2.11's wrappers between the runtime wrapper and the compiled graph, and the closure value
+# under which each one only calls on
+_PASS_THROUGH = {
+    "FunctionalizedRngRuntimeWrapper.post_compile.<locals>.wrapper":
+        lambda fn: not _cell(fn, "runtime_metadata").is_rng_op_functionalized,
+    "EffectTokensWrapper.post_compile.<locals>.inner_fn": lambda fn: _cell(fn, "num_tokens") == 0,
+}
+
+
+def _graph_under_closure_wrapper(rw):
+    """The ``CompiledFxGraph`` under torch 2.11's inference ``runtime_wrapper`` (a closure over the
+    graph's ``ViewAndMutationMeta``), or None where that wrapper does more than grad mode off,
+    output aliases rebuilt and dynamic dims stamped: a mutated input (data, metadata or version
+    counter), a grad-mode mutation, its own autocast disabling, functionalised RNG, effect tokens,
+    a joint graph, or a wrapper in between that is not a pass-through."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    meta = _cell(rw, "runtime_metadata")
+    if meta is None or _cell(rw, "trace_joint") is not False or _cell(rw, "disable_amp") is not False:
+        return None
+    if (meta.num_mutated_inp_runtime_indices or meta.grad_enabled_mutation is not None
+            or meta.is_rng_op_functionalized or len(meta.tokens)
+            or any(i.mutates_data or i.mutates_metadata for i in meta.input_info)):
+        return None
+    fn = _cell(rw, "compiled_fn")
+    for _ in range(4):
+        fn = _unserializable(fn)
+        if type(fn) is CompiledFxGraph:
+            return fn
+        passes_on = _PASS_THROUGH.get(_code_name(fn))
+        if passes_on is None or not passes_on(fn):
+            return None
+        fn = _cell(fn, "compiled_fn")
+    return None
 
 
 def _compile(stage: Stage, capture: Capture, options: dict) -> Callable:
