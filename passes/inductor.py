@@ -429,6 +429,18 @@ def _compile(stage: Stage, capture: Capture, options: dict) -> Callable:
     return direct
 
 
+def stage_route(stage: Stage) -> str:
+    """How ``stage`` is called: ``Stage.runs_as``, with an Inductor stage's route told apart:
+    ``inductor`` (its compiled graph called directly, :class:`DirectStage`) or ``inductor+wrapper``
+    (through AOTAutograd's runtime wrapper: the stage needs it, ``FXOVERLAP_AOT_WRAPPER=1``, or
+    this torch's wrapper layout is not one :func:`direct_stage` knows). The bench rows report it,
+    so a GPU run shows which route its stages took."""
+    kind = stage.runs_as
+    if kind == "inductor" and not isinstance(stage.compiled, DirectStage):
+        return "inductor+wrapper"
+    return kind
+
+
 def inductor(
     stages: Sequence[Stage],
     capture: Capture,
@@ -458,5 +470,7 @@ def inductor(
             s.compiled = fn
         log.debug("fxoverlap: compiled %s in %.1f s", first.name, time.perf_counter() - t1)
     report = InductorReport(len(todo), len(by_key), time.perf_counter() - t0)
-    say(f"fxoverlap: compiled {report.stages} stages ({report.compiled} distinct graphs) in {report.seconds:.1f} s")
+    wrapped = sum(1 for s in todo if not isinstance(s.compiled, DirectStage))
+    say(f"fxoverlap: compiled {report.stages} stages ({report.compiled} distinct graphs) in {report.seconds:.1f} s"
+        + (f"; {wrapped} called through AOTAutograd's runtime wrapper" if wrapped else ""))
     return report

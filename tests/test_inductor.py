@@ -164,6 +164,7 @@ def test_direct_stages_equal_aot_wrapper():
     direct = [s for s in stages if s.compiled is not None]
     assert direct and all(isinstance(s.compiled, inductor_pass.DirectStage) for s in direct), \
         [(s.name, type(s.compiled).__name__) for s in direct]
+    assert {inductor_pass.stage_route(s) for s in direct} == {"inductor"}  # what the bench rows report
     real = {s.name: s.compiled for s in direct}
     seen = _record_args(direct)
     torch.nn.functional.cross_entropy(compiled(tokens).flatten(0, 1), labels.flatten()).backward()

@@ -39,7 +39,7 @@ of reordered sums; a wrong slice or a lost routing weight is O(1)). Each process
 the JSON lines (``hf_gpu_real.jsonl``) go to ``--out`` (default ``$OUT``). Budget: about 8
 minutes on one H200 with a warm Inductor cache dir shared by the processes.
 """
-import argparse, copy, json, os, statistics, subprocess, sys, time, traceback
+import argparse, collections, copy, json, os, statistics, subprocess, sys, time, traceback
 from collections.abc import Callable
 
 import torch
@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import fxoverlap
 from fxoverlap.bench.commands import BenchCommandError, SupportModule, self_command, subprocess_env
+from fxoverlap.passes.inductor import stage_route
 from fxoverlap.testing import take_grads
 
 hf_cases = SupportModule("hf_cases")  # tests/support/hf_cases.py, imported at first use
@@ -286,12 +287,14 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
         worst = max(rel, key=rel.get)
         row["grad_rel"], row["worst"] = rel[worst], worst
     row["ok"] = row["loss_rel"] <= BF16_LOSS_TOL and row.get("grad_rel", 0.0) <= BF16_GRAD_TOL
-    if engine is not None:
-        row["runs_as"] = sorted({s.runs_as for s in engine.stages})
+    stages = engine.stages if engine is not None else None
     if mode in ("backend", "backend_forward"):
         import fxoverlap.backend as fxb
 
-        row["runs_as"] = sorted({s.runs_as for s in fxb.last_stages()})
+        stages = fxb.last_stages()
+    if stages is not None:
+        row["runs_as"] = sorted({s.runs_as for s in stages})
+        row["stage_routes"] = dict(collections.Counter(stage_route(s) for s in stages))
     dist.destroy_process_group()
     return row
 

@@ -35,6 +35,7 @@ from fxoverlap.config import ConfigError
 from fxoverlap.kernels import emulated_link
 from fxoverlap import fp8_ops
 from fxoverlap.models.moe import MoETransformer
+from fxoverlap.passes.inductor import stage_route
 from fxoverlap.engine import PlanView
 from fxoverlap.runtime import StageHook, accumulate_into, static_values
 from fxoverlap.testing import grad_compare, token_batches
@@ -380,7 +381,8 @@ class Bench:
         if "fxoverlap" in a.modes:
             r["modes"]["fxoverlap"] = fx = self.time_mode("fxoverlap", self.step_fx)
             fx["stages"] = len(self.engine.stages)
-            fx["runs_as"] = {k: sum(s.runs_as == k for s in self.engine.stages) for k in ("inductor", "eager", "graphed")}
+            fx["runs_as"] = {k: sum(stage_route(s) == k for s in self.engine.stages)
+                             for k in ("inductor", "inductor+wrapper", "eager", "graphed")}
             if ref is not None:
                 r.setdefault("numerics", {}).update(self.grad_check(ref))
                 del ref
