@@ -388,3 +388,75 @@ def test_a_model_without_fxoverlap_expert_gemms_is_named(fp8_here):
     engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(expert_dtype="fp8_rowwise", progress=False))
     with pytest.raises(fxoverlap.Fp8ExpertError, match="no expert GEMM of fxoverlap's"):
         engine.forward_backward(token_batches(256, 1, (2, 16)))
+
+
+# ---------------------------------------------------------------- the bench's profile part
+
+
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+def test_bench_profile_phases_are_the_experts_stage(variant):
+    """``bench fp8 --parts profile`` runs an experts layer phase by phase with the stage's ops: its
+    forward, input gradient and weight gradients equal eager autograd of ``GroupedExperts`` under
+    ``ops.expert_rows`` (each group padded to 16 under FP8) bitwise."""
+    from fxoverlap.bench import fp8_profile as fp
+    from fxoverlap.models.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 64, 32).to(torch.bfloat16)
+    counts = fp.uneven_counts(200, 4)
+    assert int(counts.sum()) == 200 and all(0 < c % 16 for c in counts.tolist()), counts
+    x, dy = torch.randn(200, 64, dtype=torch.bfloat16), torch.randn(200, 64, dtype=torch.bfloat16)
+    v = fp.VARIANTS[variant]
+    ws = tuple(p.detach() for p in (experts.w1, experts.w3, experts.w2))
+    s = fp.forward(v, x, counts, *ws)
+    g = fp.input_grad(v, s, dy, *ws)
+    dw = fp.weight_grad(v, s, g)
+    assert s["xp"].shape[0] == (200 + 4 * 15 if variant == "fp8" else 200)
+    xi = x.clone().requires_grad_()
+    with fp8_ops.expert_math(v.expert_dtype):
+        y = ops.expert_rows(experts, xi, counts)
+    y.backward(dy)
+    assert torch.equal(y, s["out"]) and torch.equal(xi.grad, g["dx"])
+    for p, d in zip((experts.w1, experts.w3, experts.w2), dw):
+        assert torch.equal(p.grad, d)
+
+
+def test_bench_profile_part_on_cpu():
+    """The profile part's JSON on CPU at tiny sizes (the GPU run's smoke): every phase timed and
+    profiled for both variants, the building blocks with the calls an FP8 layer makes, and FP8
+    within FP8 tolerance of bf16 on the profiled work."""
+    import json
+
+    from fxoverlap.bench import fp8_profile as fp
+
+    res = fp.profile(device="cpu", rows=200, groups=4, dim=64, expert_dim=32, warmup=0, iters=1, profile_iters=1,
+                     reps=1, printout=False)
+    assert res["timer"] == "wall" and res["device"] == "cpu"
+    for v in ("bf16", "fp8"):
+        assert set(res["phases_us"][v]) == {*fp.PHASES, "total", "layer_at_once"}
+        assert all(res["phases_us"][v][p] > 0 for p in fp.PHASES)
+        assert set(res["categories"][v]) == set(fp.PHASES)
+        for p in fp.PHASES:
+            assert set(res["categories"][v][p]) == set(fp.CATEGORIES) and res["busy_us"][v][p] > 0
+        table = res["kernels"][v]
+        assert 0 < len(table) <= 30 and sum(r["share"] for r in table) <= 1.0 + 1e-2  # each share rounded
+        assert all(r["cat"] in fp.CATEGORIES for r in table)
+    assert set(res["fp8_over_bf16"]) == {*fp.PHASES, "total"}
+    calls: dict[str, int] = {}
+    for b in res["blocks"]:
+        calls[b["block"]] = calls.get(b["block"], 0) + b["calls"]
+        assert b["us"] > 0 and b["us_per_layer"] == round(b["us"] * b["calls"], 1)
+    # per layer: 3 GEMMs forward, 3 input-gradient GEMMs (x and each input gradient quantized per
+    # row, each weight per column), 3 weight gradients (a dual per-group quantization each)
+    assert calls["quantize_rows"] == 6 and calls["quantize_rhs"] == 6 and calls["scaled_grouped_mm"] == 9
+    assert calls["_quantize_group_pair"] == 3 and calls["pad_groups"] == 1
+    assert calls["wgrad row pad (F.pad x, dy)"] == 3  # 200 + 4 * 15 rows: no multiple of 16
+    assert calls["wgrad torch.where"] == 0  # CUDA only
+    assert calls["grouped_mm"] == 6 and calls["grouped_mm_wgrad"] == 3  # bf16
+    assert set(res["blocks_sum_us"]) == {"bf16", "fp8"}
+    assert all(res["sqnr_db"][k] >= 20.0 for k in ("out", "dx", "dw")), res["sqnr_db"]
+    assert fp.category("void cutlass::device_kernel<GemmUniversal<float_e4m3_t>>") == "gemm"
+    assert fp.category("_triton_fp8_per_group_colwise_scales_dual_kernel") == "quantize"
+    assert fp.category("void at::native::elementwise_kernel<direct_copy_kernel_cuda>") == "copy"
+    assert fp.category("void at::native::vectorized_elementwise_kernel<4, silu_kernel>") == "elementwise"
+    assert len(json.dumps(res)) < 40_000 and res["summary"]

@@ -1,6 +1,6 @@
 """FP8 rowwise experts on one GPU (SM89+, torchao 0.18.0): ``OverlapConfig(expert_dtype="fp8_rowwise")``.
 
-    python -m fxoverlap.bench fp8 --out $OUT/fp8.json [--parts kernels,numerics,speed,curve]
+    python -m fxoverlap.bench fp8 --out $OUT/fp8.json [--parts kernels,numerics,speed,curve,profile]
 
 The GPU machine reaches no registry: carry torchao's wheel (``pip download --no-deps torchao==0.18.0``)
 and ``pip install --no-deps`` it there first. Parts (each adds its key to the JSON at ``--out``):
@@ -23,6 +23,12 @@ and ``pip install --no-deps`` it there first. Parts (each adds its key to the JS
 4. ``curve``: 200 AdamW steps of a small model through fxoverlap, bf16 and FP8, on data it can
    learn (:func:`learnable_batches`): the last losses within 1 % (a PNG beside the JSON when
    matplotlib is there).
+5. ``profile`` (not in the default parts; about a minute): where FP8's experts time goes. One experts
+   layer at the Qwen3-30B-A3B shape of one EP-8 rank (32768 rows, 16 experts), eager, phase by phase
+   (forward, input gradient, weight gradients) with bf16's and FP8's ops: CUDA-event times, the
+   ``torch.profiler`` kernels by name and category per phase, and each FP8 building block
+   (quantizations, ``_scaled_grouped_mm``, paddings, the wgrad ``torch.where``) timed alone with its
+   calls per layer (``fxoverlap/bench/fp8_profile.py``).
 """
 
 from __future__ import annotations
@@ -376,13 +382,23 @@ def curve(out_dir: str, steps: int, device: str = "cuda", compiler: str = "eager
     return res
 
 
+# ---------------------------------------------------------------- 5. profile
+
+
+def _profile() -> dict:
+    from fxoverlap.bench.fp8_profile import profile
+
+    return profile("cuda")
+
+
 # ---------------------------------------------------------------- main
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m fxoverlap.bench fp8", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out/fp8.json", help="the JSON written (its folder gets the rows' files)")
-    p.add_argument("--parts", default="kernels,numerics,speed,curve")
+    p.add_argument("--parts", default="kernels,numerics,speed,curve",
+                   help="any of kernels,numerics,speed,curve,profile (profile: the FP8 experts' per-kernel time)")
     p.add_argument("--link-gbps", type=float, default=100.0)
     p.add_argument("--layers", type=int, default=2, help="layers of the speed rows' model")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches of the speed rows")
@@ -407,7 +423,8 @@ def main() -> None:
         pass
     parts = {"kernels": kernels, "numerics": numerics,
              "speed": lambda: speed(out_dir, a.budget, a.link_gbps, a.layers, a.microbatches, a.row_timeout, a.rows),
-             "curve": lambda: curve(out_dir, a.steps, compiler=a.curve_compiler)}
+             "curve": lambda: curve(out_dir, a.steps, compiler=a.curve_compiler),
+             "profile": _profile}
     for name in filter(None, (s.strip() for s in a.parts.split(","))):
         t0 = time.time()
         try:
