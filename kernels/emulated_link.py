@@ -129,28 +129,39 @@ def preset(name: str, **changes) -> Link:
 
 @dataclasses.dataclass
 class Stats:
-    """What a group's holds were asked for since the last :meth:`reset`: per op, calls, bytes, seconds."""
+    """What a group's holds were asked for since the last :meth:`reset`: per op, calls, bytes,
+    seconds, and the first and the last call's seconds (a step's first all-gather and last
+    reduce-scatter are the part of the DP link no placement can hide: nothing runs before the
+    one, nor after the other)."""
 
     calls: int = 0
     nbytes: int = 0
     seconds: float = 0.0
-    by_op: dict[str, list] = dataclasses.field(default_factory=dict)  # op -> [calls, bytes, seconds]
+    by_op: dict[str, list] = dataclasses.field(default_factory=dict)  # op -> [calls, bytes, seconds, first, last]
 
     def add(self, op: str, nbytes: int, seconds: float) -> None:
         self.calls += 1
         self.nbytes += nbytes
         self.seconds += seconds
-        row = self.by_op.setdefault(op, [0, 0, 0.0])
+        row = self.by_op.setdefault(op, [0, 0, 0.0, seconds, 0.0])
         row[0] += 1
         row[1] += nbytes
         row[2] += seconds
+        row[4] = seconds
 
     def reset(self) -> None:
         self.calls, self.nbytes, self.seconds, self.by_op = 0, 0, 0.0, {}
 
     def as_dict(self) -> dict:
         return {"calls": self.calls, "bytes": self.nbytes, "ms": self.seconds * 1e3,
-                "by_op": {k: {"calls": c, "bytes": b, "ms": s * 1e3} for k, (c, b, s) in sorted(self.by_op.items())}}
+                "by_op": {k: {"calls": c, "bytes": b, "ms": s * 1e3, "first_ms": f * 1e3, "last_ms": la * 1e3}
+                          for k, (c, b, s, f, la) in sorted(self.by_op.items())}}
+
+
+def per_step(row: dict, steps: int) -> dict:
+    """One op's :meth:`Stats.as_dict` row over ``steps`` steps, per step (the first and last call's
+    times stay as they are)."""
+    return {k: v if k in ("first_ms", "last_ms") else v / steps for k, v in row.items()}
 
 
 _names = itertools.count()

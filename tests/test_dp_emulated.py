@@ -5,6 +5,7 @@ stand-in for the holds)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -58,10 +59,11 @@ FLAGS = ["--emulate-dp", str(M), "--emulate-ep", str(N), "--dp-link", "10", "--d
          "--warmup", "0", "--iters", "1", "--microbatches", "2", "--one-process", "--out", "unused"]
 
 
-def _run(mode: str) -> dict:
+@functools.lru_cache(maxsize=None)
+def _run(mode: str, *extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", CHILD, mode, *FLAGS], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode, *FLAGS, *extra], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
@@ -101,6 +103,21 @@ def test_zero3_emulated_shards_are_one_mth_and_every_unshard_holds_for_its_bytes
     assert row["dp_by_op"]["all_gather"]["bytes"] == sum(per_step)
     assert row["dp_hold_ms"] == pytest.approx(1e3 * sum(_seconds(info["link"], b) for b in per_step + rs[:len(rs) // 2]))
     assert row["ep_hold_ms"] > 0 and row["gathered_peak_bytes"] >= max(info["unit_bytes"])
+    # the floor: the timed step's first all-gather (the program's first unshard) and last reduce-scatter
+    rs_calls = [c for c in dp if c[0] == "reduce_scatter"]
+    assert gathers[0][1] == per_step[0]
+    assert row["dp_floor_ms"] == pytest.approx(1e3 * (gathers[0][2] + rs_calls[len(rs_calls) // 2 - 1][2]))
+    assert row["dp_hidden_bound"] == pytest.approx(1 - row["dp_floor_ms"] / row["dp_hold_ms"])
+
+
+@pytest.mark.slow  # a benchmark run on CPU (the slow step runs it)
+def test_more_layers_raise_the_bound_on_dp_hidden():
+    """``--layers`` overrides the shape's layer count: more units between the step's first gather and
+    last reduce-scatter, so more of the DP link can hide (the floor is the embedding's gather and the
+    last gradient bucket's reduce-scatter, which takes up to 25 MiB of gradients whatever the depth)."""
+    base, more = _run("zero3")["row"], _run("zero3", "--layers", "4")["row"]
+    assert (base["layers"], more["layers"]) == (2, 4)
+    assert more["dp_hold_ms"] > base["dp_hold_ms"] and more["dp_hidden_bound"] > base["dp_hidden_bound"]
 
 
 @pytest.mark.slow  # a benchmark run on CPU (the slow step runs it)

@@ -61,8 +61,9 @@ from fxoverlap.ir.program import program_of
 # shape: (model config, sequence length, sequences per microbatch, microbatches)
 SHAPES = {
     "peer": lambda r: (MoEConfig.benchmark(**r), 4096, 1, 8),
-    "small": lambda r: (MoEConfig.tiny(dim=1024, n_heads=8, n_layers=4, n_experts=8, top_k=2, expert_dim=1024,
-                                       shared_expert_dim=1024, vocab_size=8192, max_seq_len=1024, **r), 1024, 2, 4),
+    "small": lambda r: (MoEConfig.tiny(**{**dict(dim=1024, n_heads=8, n_layers=4, n_experts=8, top_k=2, expert_dim=1024,
+                                              shared_expert_dim=1024, vocab_size=8192, max_seq_len=1024), **r}),
+                        1024, 2, 4),
     "tiny": lambda r: (MoEConfig.tiny(**r), 32, 2, 3),
 }
 MODES = ("all_reduce", "reduce_scatter")

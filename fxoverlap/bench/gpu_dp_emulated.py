@@ -23,7 +23,11 @@ settings after a compile step with no links:
 * ``t_no_ep_ms``: the EP link off.
 
 ``dp_hidden = 1 - (t_step - t_no_dp) / dp_hold`` (``dp_hold``: the DP holds per step, from the
-group's stats), ``ep_hidden = 1 - (t_step - t_no_ep) / ep_hold``; peak GPU memory
+group's stats), ``ep_hidden = 1 - (t_step - t_no_ep) / ep_hold``; ``dp_floor_ms``, the DP hold no
+placement can hide: the step's first all-gather (its first stage waits for it, with nothing to run
+before) plus its last reduce-scatter (issued after its last stage, with nothing to run after), both
+the embedding's in the reference model, and ``dp_hidden_bound = 1 - dp_floor / dp_hold``, the
+most ``dp_hidden`` can be (it rises with ``--layers``: more units between the two); peak GPU memory
 (``torch.cuda.max_memory_allocated`` over the timed steps); held parameter bytes (the model's
 parameters after sharding) against ``P_d / M + P_e / M_e``; ZeRO-2's ``gather_parameters`` (the
 all-gather after its optimizer step, not in the step) timed apart. The summary row compares the
@@ -51,7 +55,7 @@ import fxoverlap
 from fxoverlap.bench.cli import emulated_config, routing_fields
 from fxoverlap.bench.gpu_dp import sync
 from fxoverlap.ir.program import program_of, unshard
-from fxoverlap.kernels.emulated_link import EmulatedDPGroup, EmulatedGroup, Link
+from fxoverlap.kernels.emulated_link import EmulatedDPGroup, EmulatedGroup, Link, per_step
 from fxoverlap.models import MoETransformer
 
 MODES = ("zero2", "zero3")
@@ -87,6 +91,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--emulate-ep", type=int, default=8, metavar="N", help="emulated EP size (default 8)")
     g.add_argument("--link-gbps", type=float, default=100.0, help="the emulated EP link, GB/s (default 100)")
     g.add_argument("--link-latency-us", type=float, default=20.0)
+    g.add_argument("--layers", type=int, help="the shape's layer count, overridden (more units between the "
+                   "step's first gather and last reduce-scatter)")
     g.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated subset of zero2,zero3,zero3@MB (OverlapConfig.keep_gathered_mb=MB, e.g. "
                         "zero3@inf: each unit gathered once per step), zero3/aN (unshard_ahead=N)")
@@ -110,7 +116,8 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
 
     _init(device)
     m, n_ep = args.emulate_dp, args.emulate_ep
-    cfg, seq, mbs, n = SHAPES[args.shape](routing_fields(args.routing))
+    layers = {"n_layers": args.layers} if getattr(args, "layers", None) else {}
+    cfg, seq, mbs, n = SHAPES[args.shape]({**routing_fields(args.routing), **layers})
     n = args.microbatches or n
     cfg = emulated_config(cfg, n_ep)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -182,7 +189,7 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
         ep_stats = ep_group.stats.as_dict() if ep_group is not None else {"ms": 0.0, "calls": 0}
         return dict(ms=statistics.median(times), iters_ms=times, dp_hold_ms=dp_stats["ms"] / args.iters,
                     ep_hold_ms=ep_stats["ms"] / args.iters,
-                    dp_by_op={k: {f: v / args.iters for f, v in row.items()} for k, row in dp_stats["by_op"].items()})
+                    dp_by_op={k: per_step(row, args.iters) for k, row in dp_stats["by_op"].items()})
 
     on = timed(True, True)
     no_dp = timed(True, False)
@@ -195,6 +202,8 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
                dp_hold_ms=on["dp_hold_ms"], ep_hold_ms=on["ep_hold_ms"], dp_by_op=on["dp_by_op"],
                dp_exposed_ms=on["ms"] - no_dp["ms"], ep_exposed_ms=on["ms"] - no_ep["ms"],
                dp_hidden=_hidden(on["ms"], no_dp["ms"], on["dp_hold_ms"]),
+               dp_floor_ms=dp_floor_ms(on["dp_by_op"]), dp_hidden_bound=_bound(on["dp_by_op"], on["dp_hold_ms"]),
+               layers=cfg.n_layers,
                ep_hidden=_hidden(on["ms"], no_ep["ms"], on["ep_hold_ms"]),
                peak_gib=peak, process="one" if args.one_process else "own",
                P_d=p_d, P_e=p_e, held_expected=p_d // m + p_e // m_e)
@@ -223,6 +232,18 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
     return row
 
 
+def dp_floor_ms(by_op: dict) -> float:
+    """The DP hold per step that no placement can hide: the first all-gather's (nothing runs before
+    the stage that waits for it) and the last reduce-scatter's (nothing runs after it), for a model
+    whose first stage reads the first gathered unit and whose last stage writes the last reduced
+    gradient (the reference model's embedding does both)."""
+    return by_op.get("all_gather", {}).get("first_ms", 0.0) + by_op.get("reduce_scatter", {}).get("last_ms", 0.0)
+
+
+def _bound(by_op: dict, hold: float) -> float | None:
+    return None if hold <= 0 else 1.0 - dp_floor_ms(by_op) / hold
+
+
 def _hidden(t_step: float, t_without: float, hold: float) -> float | None:
     """1 - exposed / hold: the share of the link's hold time that ran under other work."""
     return None if hold <= 0 else 1.0 - (t_step - t_without) / hold
@@ -248,6 +269,7 @@ def _against_zero2(z2: dict, z3: dict) -> dict:
     out: dict = {}
     out.update(zero3_over_zero2=z3["t_step_ms"] / z2["t_step_ms"],
                zero3_dp_hidden=z3["dp_hidden"], zero2_dp_hidden=z2["dp_hidden"],
+               zero3_dp_hidden_bound=z3.get("dp_hidden_bound"), zero2_dp_hidden_bound=z2.get("dp_hidden_bound"),
                ep_hidden_zero2=z2["ep_hidden"], ep_hidden_zero3=z3["ep_hidden"],
                ep_hidden_diff=(None if None in (z2["ep_hidden"], z3["ep_hidden"])
                                else z3["ep_hidden"] - z2["ep_hidden"]),

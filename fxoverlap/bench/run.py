@@ -228,7 +228,7 @@ class Bench:
             st = self.emulated.stats.as_dict()
             res["link"] = {"emulated": True, "calls": st["calls"] / a.iters, "bytes": st["bytes"] / a.iters,
                            "ms": st["ms"] / a.iters,
-                           "by_op": {k: {f: v[f] / a.iters for f in v} for k, v in st["by_op"].items()}}
+                           "by_op": {k: emulated_link.per_step(v, a.iters) for k, v in st["by_op"].items()}}
         mine = {"median_ms": statistics.median(times), "wall_median_ms": statistics.median(wall),
                 "peak_gib": peak, "losses": [float(x) for x in losses], "iters_ms": times}
         ranks = self.gather(mine)
