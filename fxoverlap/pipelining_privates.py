@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 __all__ = ["NEEDED", "batch_p2p", "bwd_cache", "bwd_recv_ops", "compute_loss", "fwd_cache", "fwd_recv_ops",
-           "get_loss", "pipeline_order_with_comms", "retrieve_recv_grads", "stage_input_count", "wait_batch_p2p"]
+           "get_loss", "has_internal", "pipeline_order_with_comms", "retrieve_recv_grads", "stage_input_count", "wait_batch_p2p"]
 
 # (where, name) of each internal reached below: "schedules" (a function of the module),
 # "schedule" (an attribute of a _PipelineScheduleRuntime instance), "stage" (of a PipelineStage
-# instance), "stage_meta" (of a stage's _stage_meta)
+# instance); a dotted name is looked up attribute by attribute, and "a | b" is met by either (the
+# layouts of torch 2.13 and of 2.11, the oldest torch fxoverlap supports)
 NEEDED: tuple[tuple[str, str], ...] = (
     ("schedules", "_batch_p2p"),
     ("schedules", "_wait_batch_p2p"),
@@ -31,11 +32,23 @@ NEEDED: tuple[tuple[str, str], ...] = (
     ("schedule", "bwd_recv_ops"),
     ("schedule", "pipeline_order_with_comms"),
     ("stage", "_retrieve_recv_grads"),
-    ("stage", "_stage_meta"),
+    ("stage", "_stage_meta.inputs | inputs_meta"),
     ("stage", "fwd_cache"),
     ("stage", "bwd_cache"),
-    ("stage_meta", "inputs"),
 )
+
+
+def has_internal(owner: Any, name: str) -> bool:
+    """Whether ``owner`` has the internal ``name`` of :data:`NEEDED` (dotted, ``a | b``)."""
+    for path in name.split("|"):
+        obj = owner
+        try:
+            for part in path.strip().split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        return True
+    return False
 
 
 def _schedules():
@@ -87,7 +100,8 @@ def retrieve_recv_grads(stage, mb: int) -> tuple:
 
 def stage_input_count(stage) -> int:
     """How many inputs the stage's forward takes (what its input gradients are cut to)."""
-    return len(stage._stage_meta.inputs)
+    meta = getattr(stage, "_stage_meta", None)
+    return len(meta.inputs) if meta is not None else len(stage.inputs_meta)  # torch 2.13 / 2.11
 
 
 def fwd_cache(stage) -> dict:

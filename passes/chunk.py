@@ -388,8 +388,8 @@ def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset())
         _sort(out.graph)
         out.graph.lint()
         out.recompile()
-        try:
-            propagate_fake_values(out)
+        try:  # the layers left whole read what they read before: their values stand
+            propagate_fake_values(out, {n for n in out.graph.nodes if (t := _tag(n)) is not None and t.layer in cut})
         except Exception as e:  # noqa: BLE001  (a cut the checks missed: leave every layer whole, say why)
             if not cut:
                 raise

@@ -201,6 +201,24 @@ class Lowering:
 
 
 class _Prop(FakeTensorProp):
+    """FakeTensorProp; with ``rerun`` given, only those nodes, nodes with no value yet and nodes
+    reading a node that ran get a new value: the others read what they read before, so they keep
+    theirs (and the unbacked sizes they made: running a data-dependent op again makes new ones,
+    and on torch 2.11 some decompositions guard on them, e.g. ``native_dropout``'s ``uniform_``
+    on an experts-sized tensor)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, mode, rerun: set[torch.fx.Node] | None = None):
+        super().__init__(gm, mode)
+        self._rerun, self._ran = rerun, set()
+
+    def run_node(self, n: torch.fx.Node):
+        if (self._rerun is not None and n.op == "call_function" and "val" in n.meta and n not in self._rerun
+                and not any(a in self._ran for a in n.all_input_nodes)):
+            return n.meta["val"]
+        if n.op == "call_function":  # placeholders and constants hand on what they did before
+            self._ran.add(n)
+        return super().run_node(n)
+
     def get_attr(self, target, args, kwargs):  # constants (the overflow buffer) enter as fakes
         val = super().get_attr(target, args, kwargs)
         return self._mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
@@ -215,13 +233,15 @@ def _sizes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int))
 
 
-def propagate_fake_values(gm: torch.fx.GraphModule) -> None:
-    """Recompute every ``meta["val"]`` with the capture's fake mode."""
+def propagate_fake_values(gm: torch.fx.GraphModule, rerun: set[torch.fx.Node] | None = None) -> None:
+    """Recompute ``meta["val"]`` with the capture's fake mode: of every node, or with ``rerun``
+    (the nodes a rewrite changed in place; new nodes have no value yet) of those and of what
+    reads them, directly or not."""
     for node in _sizes(gm):  # e.g. the backward dispatch's old row count, now unused
         if not node.users:
             gm.graph.erase_node(node)
     mode, args = _fakes(gm)
-    _Prop(gm, mode).propagate_dont_convert_inputs(*args)
+    _Prop(gm, mode, rerun).propagate_dont_convert_inputs(*args)
     for node in _sizes(gm):  # torch 2.11's FakeTensorProp keeps a size's old value when it becomes an int
         node.meta["val"] = _val(node.args[0]).shape[node.args[1]]
 

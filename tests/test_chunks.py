@@ -80,8 +80,13 @@ def test_issue_order_of_the_plain_steps():
     r = run_distributed_once(chunk_cases.optimize_vs_eager, OPTIMIZE)[0][0]
     calls = r["calls"]
     f0 = [c for c in calls if c.startswith("F0_l0_")]
-    assert f0 == ["F0_l0_attn", "F0_l0_dispatch_c0", "F0_l0_attn_side", "F0_l0_experts_c0", "F0_l0_dispatch_c1",
+    # the side part here is a pair of index-range checks (ge/lt + _assert_async: torch 2.13 traces them; 2.11
+    # does not trace them, and the layer keeps one attn stage)
+    side = ["F0_l0_attn_side"] if "F0_l0_attn_side" in calls else []
+    assert f0 == ["F0_l0_attn", "F0_l0_dispatch_c0", *side, "F0_l0_experts_c0", "F0_l0_dispatch_c1",
                   "F0_l0_combine_c0", "F0_l0_experts_c1", "F0_l0_combine_c1", "F0_l0_post"], f0
+    if torch.__version__ >= "2.13":
+        assert side, f0
     b0 = [c for c in calls if c.startswith("B0_l1_")]
     assert b0 == ["B0_l1_post", "B0_l1_combine_c0", "B0_l1_attn_early", "B0_l1_experts_c0", "B0_l1_combine_c1",
                   "B0_l1_dispatch_c0", "B0_l1_experts_c1", "B0_l1_dispatch_c1", "B0_l1_attn"], b0

@@ -1,7 +1,7 @@
 """Host (Python) time per training step of both front ends, on CPU at tiny shapes.
 
     python -m fxoverlap.bench host-time [--front optimize,backend,compile] [--steps 200]
-        [--profile 20] [--layers 2] [--microbatches 2] [--compiler eager]
+        [--profile 20] [--layers 2] [--microbatches 2] [--compiler eager] [--chunks 1]
 
 The reference MoE model (``MoEConfig.tiny``: dim 64, 4 heads, 8 experts top-2, dropless) on one
 rank without a process group, tokens ``(2, 16)``: the kernels are tiny, so the step's time is
@@ -41,7 +41,7 @@ def build(front: str, args):
     model = MoETransformer(MoEConfig.tiny(n_layers=args.layers), None).to(args.device)
     batches = [tuple(t.to(args.device) for t in b)
                for b in token_batches(256, args.microbatches, shape=(2, 16), seed=0)]
-    config = fxoverlap.OverlapConfig(compiler=args.compiler)
+    config = fxoverlap.OverlapConfig(compiler=args.compiler, chunks=args.chunks)
     if front == "optimize":
         engine = fxoverlap.optimize(model, None, config)
         mbs = [(t,) for t, _ in batches]
@@ -66,7 +66,7 @@ def build(front: str, args):
     else:
         fxoverlap.enable_dynamic_output_shapes()
         torch._dynamo.reset()
-        backend = fxb.Backend(compiler=args.compiler)
+        backend = fxb.Backend(compiler=args.compiler, chunks=args.chunks)
         compiled = torch.compile(model, backend=backend)
 
         def step():
@@ -168,6 +168,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--compiler", default="eager")
+    ap.add_argument("--chunks", type=int, default=1, help="OverlapConfig.chunks of optimize and the backend")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -192,6 +193,7 @@ def main() -> None:
             outside.append(times[-1] - clock.total)
             model.zero_grad(set_to_none=True)
         print(f"{front}: {args.layers} layers, {args.microbatches} microbatches, compiler={args.compiler}, "
+              f"chunks={args.chunks if front != 'compile' else '-'}, "
               f"{launches} stage launches per step; real stages: median {_ms(times)} ms/step (min {_ms(times, min)}), "
               f"outside the stages median {_ms(outside)} (min {_ms(outside, min)})", flush=True)
         # host work alone: every stage replays the outputs it gave once (no kernel runs); the

@@ -651,10 +651,10 @@ def privates_case(rank: int, world: int) -> dict:
     import torch.distributed.pipelining as pipelining
     from torch.distributed.pipelining import schedules
 
-    from fxoverlap.pipelining_privates import NEEDED
+    from fxoverlap.pipelining_privates import NEEDED, has_internal
 
     stages = [pipelining.PipelineStage(nn.Linear(4, 4), s, 2, torch.device("cpu")) for s in range(2)]
     sched = pipelining.ScheduleInterleaved1F1B(stages, 2, loss_fn=lambda out, tgt: out.sum())
-    owners = {"schedules": schedules, "schedule": sched, "stage": stages[0], "stage_meta": stages[0]._stage_meta}
-    return {"missing": [f"{where}.{name}" for where, name in NEEDED if not hasattr(owners[where], name)],
+    owners = {"schedules": schedules, "schedule": sched, "stage": stages[0]}
+    return {"missing": [f"{where}.{name}" for where, name in NEEDED if not has_internal(owners[where], name)],
             "checked": len(NEEDED), "runtime": isinstance(sched, schedules._PipelineScheduleRuntime)}
