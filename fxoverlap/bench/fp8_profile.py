@@ -29,7 +29,13 @@ import torch.nn.functional as F
 
 from fxoverlap import fp8_ops, ops
 from fxoverlap.bench.gpu_fp8 import _counts, sqnr
+from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.kernels import fp8_gemm, grouped_gemm
+
+
+class ProfileShapeError(FxOverlapError, ValueError):
+    """The profiled shape cannot be made: too few rows for the groups."""
+
 
 PHASES = ("fwd", "dgrad", "wgrad")
 CATEGORIES = ("quantize", "gemm", "copy", "elementwise", "other")
@@ -135,7 +141,8 @@ def uneven_counts(rows: int, groups: int, seed: int = 0) -> torch.Tensor:
         c[i] += 1
         c[big] -= 1
     if int(c.min()) <= 0:
-        raise ValueError(f"fp8 profile: {rows} rows are too few for {groups} groups of uneven sizes")
+        raise ProfileShapeError(f"fp8 profile: {rows} rows are too few for {groups} groups of uneven sizes; "
+                                f"give more rows or fewer groups")
     return c
 
 
