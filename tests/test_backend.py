@@ -248,7 +248,10 @@ def test_logits_and_buffer_mutations():
         assert torch.equal(loss, ref), step
         assert grad_diff(model, {n: p.grad for n, p in eager.named_parameters()})[2], step
         assert int(model.seen) == int(eager.seen) == 32 * (step + 1)
-        assert torch.equal(model.running, eager.running), step
+        if torch.__version__ >= "2.13":
+            assert torch.equal(model.running, eager.running), step
+        else:  # torch 2.11 decomposes add_(x, alpha=a) into a mul and an add, as its torch.compile does
+            assert torch.allclose(model.running, eager.running, rtol=1e-6, atol=0), step
     assert fxb.last_compiled().capture.mutations  # the updates went through the staged program
 
 

@@ -79,8 +79,10 @@ def _one_rank_model(**model):
 
 def test_draws_stay_in_eager_order_in_the_stages():
     """Which stages draw: the shared expert's dropout, drawn before the router's noise, is
-    back in the main attn part (its side part keeps the routing weights); written after the
-    experts, it draws in the experts stage. Stage order never goes back in eager's order."""
+    back in the main attn part; written after the experts, it draws in the experts stage. Stage
+    order never goes back in eager's order, and a side part draws nothing (here the side part is
+    the index-range checks torch 2.13 traces, ``_assert_async``; 2.11 traces none and keeps one
+    attn stage)."""
     for shared_first, expect in ((True, "fwd_l0_attn"), (False, "fwd_l0_experts")):
         model = _one_rank_model(shared_first=shared_first)
         plan = fxoverlap.optimize(model, None).plan(token_batches(CFG["vocab_size"], 2))
@@ -91,7 +93,8 @@ def test_draws_stay_in_eager_order_in_the_stages():
         # 1 embedding dropout + per layer: attention dropout, shared dropout, router noise, experts dropout
         assert len(fwd) == 1 + 4 * CFG["n_layers"]
         assert sum(name == expect for name in fwd) >= 2, fwd
-        assert any(s.name == "fwd_l0_attn_side" for s in plan.stages)
+        if torch.__version__ >= "2.13":
+            assert any(s.name == "fwd_l0_attn_side" for s in plan.stages)
         assert not any(s.draws for s in plan.stages if s.name.endswith("_side"))
 
 
