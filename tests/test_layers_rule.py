@@ -36,7 +36,9 @@ def _installed_layout(tmp: pathlib.Path) -> pathlib.Path:
 
 
 def _lint(tmp: pathlib.Path) -> subprocess.CompletedProcess:
-    lint = shutil.which("lint-imports") or str(pathlib.Path(sys.executable).parent / "lint-imports")
+    # this interpreter's own script first (another one on PATH may be a shell shim, and PATH is cut below)
+    own = pathlib.Path(sys.executable).parent / "lint-imports"
+    lint = str(own) if own.exists() else (shutil.which("lint-imports") or str(own))
     env = {"PYTHONPATH": str(tmp), "PATH": str(pathlib.Path(sys.executable).parent)}
     return subprocess.run([lint, str(tmp / "setup.cfg"), "--no-cache"], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=300)
