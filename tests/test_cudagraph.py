@@ -27,6 +27,7 @@ What needs a GPU (real capture, memory pools, streams, NCCL teardown) is in
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 import types
@@ -624,3 +625,32 @@ def test_a_view_that_only_passes_a_value_on_stays_with_its_producer():
     assert experts_bwd and all(any(n.target is torch.ops.aten.transpose.int for n in s.graph_module.graph.nodes)
                                for s in experts_bwd)
     torch._dynamo.reset()
+
+
+@pytest.mark.slow  # ~20 s: the FP8 reference math on CPU
+def test_fp8_experts_replay_logic_bitwise(fake_cuda, monkeypatch):
+    """FP8 experts (``expert_dtype="fp8_rowwise"``, the reference math on CPU) with CUDA graphs: the
+    experts stages stay out of the graphs (their row counts are data-dependent), the stages around
+    them are graphed, and captured then replayed steps equal eager with the same FP8 ops bitwise."""
+    from fxoverlap import fp8_ops
+
+    monkeypatch.setattr(fp8_ops, "fp8_unavailable", lambda device: [])  # the ops run their CPU reference
+    torch.manual_seed(0)
+    cfg = MoEConfig.tiny(routing="dropless")
+    base = MoETransformer(cfg).to(torch.bfloat16)
+    mbs = _batches(2, cfg.vocab_size, seed=5)
+    ref = copy.deepcopy(base)
+    with fp8_ops.expert_math("fp8_rowwise"):
+        ref_losses = eager_steps(ref, mbs)
+    ref_grads = _grads(ref)
+    model = copy.deepcopy(base)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(expert_dtype="fp8_rowwise", cuda_graphs=True,
+                                                                     progress=False))
+    _steps_bitwise(engine, model, mbs, ref_losses, ref_grads, steps=2)  # step 0 captures, step 1 replays
+    graphed = _graphed(engine)
+    experts = {s.name for s in engine.stages if s.kind is StageKind.EXPERTS}
+    assert graphed and experts and not graphed & experts, (graphed, experts)
+    assert any(fp8_ops.GROUPED_MM_FP8_OP in {n.target for n in s.graph_module.graph.nodes}
+               for s in engine.stages if s.name in experts)
+    assert sum(1 for e in fake_cuda.log if e[0] == "replay") > 0
+    engine.close()

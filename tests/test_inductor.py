@@ -60,8 +60,16 @@ def _rank(rank: int, world: int) -> dict:
     plan = engine.plan(mbs)
     plain = [run_plain(plan.stages, plan.capture, model, mb) for mb in mbs]
     plain_grads = take_grads(model)
+    # twice: what differs between two plain runs is the kernels' own run-to-run order, not ours
+    # (torch 2.11's Inductor accumulates the embedding's scatter-add in a thread-dependent order on
+    # CPU: that gradient may differ run to run, so it is left out of the bitwise check there)
+    again = [run_plain(plan.stages, plan.capture, model, mb) for mb in mbs]
+    again_grads = take_grads(model)
+    unstable = {"tok_embeddings.weight"} if torch.__version__ < "2.13" else set()
+    out["plain_unstable"] = sorted(k for k in got if not torch.equal(plain_grads[k], again_grads[k]))
     out["plain_bitwise"] = all(torch.equal(a, b) for a, b in zip(plain, losses)) and all(
-        torch.equal(plain_grads[k], got[k]) for k in got)
+        torch.equal(a, b) for a, b in zip(plain, again)) and all(
+        torch.equal(plain_grads[k], got[k]) for k in got if k not in unstable)
     # 10 more steps with other routing: no compile, other row counts
     rows = set()
     experts = next(s for s in plan.stages if s.name == "fwd_l0_experts")
@@ -90,6 +98,10 @@ def test_inductor_stages_two_ranks():
         assert all(runs == "eager" for n, k, stream, runs in r["stages"] if stream is StreamKind.COMM)
         assert any(n.endswith("_wgrad") for n, _ in comp) and any(n.endswith("_side") for n, _ in comp)
         assert r["plain_bitwise"], f"{name}: interleaved != the same compiled stages in plain order"
+        # run-to-run differences only where torch 2.11's Inductor scatter-adds (the embedding); its
+        # gradient is still checked against eager's below (grad_rel)
+        assert set(r["plain_unstable"]) <= ({"tok_embeddings.weight"} if torch.__version__ < "2.13" else set()), \
+            r["plain_unstable"]
         assert r["loss_diff"] <= TOL, f"{name}: |Δloss| {r['loss_diff']:.3g}"
         assert r["grad_rel"] <= TOL, f"{name}: max |Δgrad| / max |eager grad| = {r['grad_rel']:.3g}"
         # layers 0 and 1 share their graphs: one compile per (direction, kind, part)
