@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 __all__ = ["NEEDED", "batch_p2p", "bwd_cache", "bwd_recv_ops", "compute_loss", "fwd_cache", "fwd_recv_ops",
-           "get_loss", "has_internal", "pipeline_order_with_comms", "retrieve_recv_grads", "stage_input_count", "wait_batch_p2p"]
+           "get_loss", "has_internal", "pipeline_order_with_comms", "retrieve_recv_grads", "stage_input_count",
+           "wait_batch_p2p"]
 
 # (where, name) of each internal reached below: "schedules" (a function of the module),
 # "schedule" (an attribute of a _PipelineScheduleRuntime instance), "stage" (of a PipelineStage

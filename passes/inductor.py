@@ -361,7 +361,7 @@ def direct_stage(art, n_outputs: int) -> DirectStage | None:
 def _code_name(fn) -> str:
     # the code object's name: functools.wraps rewrites a wrapper's __qualname__ to the wrapped one's
     code = getattr(fn, "__code__", None)
-    return code.co_qualname if code is not None else ""
+    return getattr(code, "co_qualname", "") if code is not None else ""
 
 
 # torch 2.11's wrappers between the runtime wrapper and the compiled graph, and the closure value
