@@ -580,7 +580,7 @@ def _forward(schedule, stages, sub, ctx) -> None:
     stage = stages[idx]
     args = schedule.fxoverlap_run.step_args
     output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=args["return_outputs"])
-    pl.compute_loss(schedule, stage, output, ctx.target_mbs, mb, args["loss_kwargs"])
+    pl.compute_loss(schedule, stage, output, ctx.target_mbs, mb)
     if idx + 1 in stages:
         stages[idx + 1].set_local_fwd_input(output, mb)
 
@@ -844,10 +844,26 @@ def _overlap_f_b(schedule, action, ctx) -> None:
         sends.done(sub)
 
 
+class _LossWithKwargs:
+    """The ``loss_fn`` the schedule is built with: the user's, called with the ``loss_kwargs``
+    of the step in progress (:class:`_OverlapSchedule`). fxoverlap applies them itself rather
+    than passing them to pipelining's ``step``: torch 2.11's pipelining (the oldest torch
+    fxoverlap supports) has no ``loss_kwargs`` and would hand them to the stage module as
+    model keyword arguments; so they work the same on every torch."""
+
+    def __init__(self, loss_fn: Callable, run: _PipelineRun) -> None:
+        self.loss_fn, self.run = loss_fn, run
+
+    def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        step_kwargs = (self.run.step_args or {}).get("loss_kwargs") or {}
+        return self.loss_fn(output, target, **step_kwargs, **kwargs)
+
+
 class _OverlapSchedule:
     """The user's schedule class (subclassed: :func:`_schedule_class`) over :class:`_OverlapStage` objects:
-    its ``step`` keeps ``return_outputs`` and ``loss_kwargs`` for the ``OVERLAP_F_B`` function
-    (pipelining's custom-function context does not carry them), and after pipelining's step
+    its ``step`` keeps ``return_outputs`` for the ``OVERLAP_F_B`` function (pipelining's
+    custom-function context does not carry it) and ``loss_kwargs`` for the loss
+    (:class:`_LossWithKwargs`; not passed on to pipelining), and after pipelining's step
     waits for the early sends and finishes the ``dp_group`` reductions. fxoverlap's state is
     its ``fxoverlap_run`` (:class:`_PipelineRun`)."""
 
@@ -860,8 +876,7 @@ class _OverlapSchedule:
         run = self.fxoverlap_run
         run.begin_step(return_outputs, loss_kwargs)
         try:
-            out = super().step(*args, target=target, losses=losses, return_outputs=return_outputs,
-                               loss_kwargs=loss_kwargs, **kwargs)
+            out = super().step(*args, target=target, losses=losses, return_outputs=return_outputs, **kwargs)
         finally:
             run.step_args = None
         run.finish_step()
@@ -915,7 +930,8 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     stage modules without DTensor parameters.
 
     Returns an instance of a subclass of ``schedule_cls`` (of the same name; it keeps
-    ``step``'s ``return_outputs`` and ``loss_kwargs`` for the ``OVERLAP_F_B`` function) over
+    ``step``'s ``return_outputs`` for the ``OVERLAP_F_B`` function and applies its
+    ``loss_kwargs`` to ``loss_fn`` itself, on torch 2.11 too, whose pipelining lacks them) over
     fxoverlap's stages built from ``stages`` (:class:`_OverlapStage`: the user's stage objects
     are not used after this): ``schedule.step(x, target=y, losses=losses)`` as with
     pipelining. After the first step, ``schedule.fxoverlap_stages`` maps each local pipeline
@@ -967,7 +983,8 @@ def pipeline_schedule(schedule_cls: type, stages, n_microbatches: int, *, loss_f
     ours = [_stage_class(type(st), not multi)(st, config, registry, n_microbatches, weight_last, groups)
             for st in local]
     run = _PipelineRun(ours, registry, merge, ep_group, dp_group, expert_dp_group, config)
-    schedule = _schedule_class(schedule_cls)(ours if multi else ours[0], n_microbatches, loss_fn=loss_fn,
+    schedule = _schedule_class(schedule_cls)(ours if multi else ours[0], n_microbatches,
+                                             loss_fn=None if loss_fn is None else _LossWithKwargs(loss_fn, run),
                                              fxoverlap_run=run, **schedule_kwargs)
     if multi:  # every supported multi-stage schedule is a _PipelineScheduleRuntime
         from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD,

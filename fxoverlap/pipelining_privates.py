@@ -68,10 +68,10 @@ def wait_batch_p2p(works: list) -> None:
     _schedules()._wait_batch_p2p(works)
 
 
-def compute_loss(schedule, stage, output: Any, target_mbs: list | None, mb: int,
-                 loss_kwargs: dict | None) -> None:
-    """The schedule's loss of microbatch ``mb`` where ``stage`` is the last (kept by the schedule)."""
-    schedule._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
+def compute_loss(schedule, stage, output: Any, target_mbs: list | None, mb: int) -> None:
+    """The schedule's loss of microbatch ``mb`` where ``stage`` is the last (kept by the schedule).
+    No ``loss_kwargs`` (torch 2.11's takes none): the schedule's ``loss_fn`` applies the step's."""
+    schedule._maybe_compute_loss(stage, output, target_mbs, mb)
 
 
 def get_loss(schedule, stage, mb: int) -> torch.Tensor | None:

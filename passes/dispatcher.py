@@ -260,7 +260,21 @@ def _fold_sizes(gm: torch.fx.GraphModule) -> None:
 
 def _shapes(val) -> tuple:
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in vals)
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else _known_bool(v) for v in vals)
+
+
+def _known_bool(v):
+    """A SymBool the shape env decides (a pipeline stage's ``u >= 0`` size check: True) as
+    that bool, else ``v``: torch 2.11 cannot compare such a SymBool with the probe's bool
+    (sympy: "BooleanAtom not allowed in this context"); torch 2.13 decides it the same way."""
+    if isinstance(v, torch.SymBool):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        if statically_known_true(v):
+            return True
+        if statically_known_true(torch.sym_not(v)):
+            return False
+    return v
 
 
 class _Probe(torch.fx.Interpreter):

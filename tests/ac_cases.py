@@ -29,9 +29,27 @@ def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     if op not in MATMULS:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if _sac_kept is not None and not ctx.is_recompute:
-        s = ctx.op_output.untyped_storage()
-        _sac_kept[s.data_ptr()] = s.nbytes()
+        key, nbytes = _policy_output_bytes(ctx, op, args, kwargs)
+        _sac_kept[key] = nbytes
     return CheckpointPolicy.MUST_SAVE
+
+
+def _policy_output_bytes(ctx, op, args: tuple, kwargs: dict) -> tuple[object, int]:
+    """(a key, the bytes) of the storage of the output of ``op``, which the policy saves.
+    torch 2.13 calls the policy after the op, with its output (``ctx.op_output``): its storage,
+    keyed by address as eager_saved_bytes keys what autograd packs. torch 2.11 calls it before
+    the op runs (no ``op_output``): the output's size from the op run on meta copies of its
+    inputs; a matmul's output is a fresh contiguous tensor, so its storage is exactly that
+    size, and it is no storage autograd packs (checkpoint's own hooks take those over), so a
+    key of its own counts it once."""
+    if hasattr(ctx, "op_output"):  # torch 2.13
+        s = ctx.op_output.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    from torch.utils._pytree import tree_map_only
+
+    out = op(*tree_map_only(torch.Tensor, lambda t: t.to("meta"), args),
+             **tree_map_only(torch.Tensor, lambda t: t.to("meta"), kwargs))
+    return ("policy output", len(_sac_kept)), out.untyped_storage().nbytes()
 
 
 def checkpoint_layers(model: nn.Module, policy=None) -> nn.Module:

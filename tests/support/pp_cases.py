@@ -194,6 +194,34 @@ def _layout(t: torch.Tensor) -> tuple:
     return (type(t).__name__, None if mesh is None else mesh.mesh.tolist(), str(getattr(t, "placements", "")))
 
 
+def _gloo_v_warmup() -> None:
+    """Let torch 2.11's pipelining warm up a V-schedule's P2P under gloo (this rank process only).
+
+    torch 2.11 warms up each stage's P2P with a dummy send to and receive from each neighbour
+    stage through the process group (``_get_init_p2p_neighbors_ops``), the neighbour on this
+    rank included (DualPipeV / ZBV: stages pp-1 and pp share a rank). gloo, these CPU tests'
+    transport, cannot send to its own rank ("Pair is not connected"), so on 2.11 every
+    V-schedule fails under gloo before any stage runs, with or without fxoverlap (plain
+    pipelining too; NCCL on the GPU machine can). The ops to this rank carry a dummy tensor
+    nothing reads: they are dropped. torch 2.13 warms up with its vote protocol instead and
+    does not call this for a PipelineStage: nothing is changed there."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    if hasattr(PipelineStage, "_warmup_forward_vote"):  # torch 2.13's warm-up
+        return
+    orig = _PipelineStageBase._get_init_p2p_neighbors_ops
+    if getattr(orig, "drops_self_ops", False):
+        return
+
+    def ops(self) -> list:
+        me = dist.get_rank()
+        return [op for op in orig(self) if op.peer != me]
+
+    ops.drops_self_ops = True
+    _PipelineStageBase._get_init_p2p_neighbors_ops = ops
+
+
 def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dict | None = None) -> dict:
     """``opts``: ``n_mb`` (4), ``stage_cls`` ("RefStage"), ``loss_weight`` (1.0: passed to
     ``step`` as ``loss_kwargs``), ``config`` (OverlapConfig fields; ``compiler="eager"``),
@@ -205,6 +233,7 @@ def run_case(rank: int, world: int, schedule: str, kind: str, ep: int, opts: dic
     scale_grads = opts.get("scale_grads", True)
     config = {"compiler": "eager", **opts.get("config", {})}
 
+    _gloo_v_warmup()
     torch.manual_seed(0)
     pp, pp_rank, ep_rank, ep_group, pp_group = pp_ep_groups(ep)
     ep_group = ep_group if ep > 1 else None
@@ -533,6 +562,7 @@ def run_dp_case(rank: int, world: int, schedule: str, mode: str = "ddp", opts: d
     n_mb, dp = 4, 2
     opts = opts or {}
     ep = opts.get("ep", 1)
+    _gloo_v_warmup()
     pp, pp_rank, dp_rank, ep_group, pp_group = pp_ep_groups(dp)
     ep_group = ep_group if ep > 1 else None  # the rows of the mesh: with ep=2 the EP groups
     dp_group = None
