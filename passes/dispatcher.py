@@ -212,12 +212,20 @@ class _Prop(FakeTensorProp):
         self._rerun, self._ran = rerun, set()
 
     def run_node(self, n: torch.fx.Node):
-        if (self._rerun is not None and n.op == "call_function" and "val" in n.meta and n not in self._rerun
-                and not any(a in self._ran for a in n.all_input_nodes)):
-            return n.meta["val"]
+        if self._keeps(n):
+            return n.meta.get("val")
         if n.op == "call_function":  # placeholders and constants hand on what they did before
             self._ran.add(n)
         return super().run_node(n)
+
+    def _keeps(self, n: torch.fx.Node) -> bool:
+        if (self._rerun is None or n.op != "call_function" or n in self._rerun
+                or any(a in self._ran for a in n.all_input_nodes)):
+            return False
+        if "val" in n.meta:
+            return True
+        schema = getattr(n.target, "_schema", None)  # an op that returns nothing (an assert) has no value
+        return schema is not None and not schema.returns
 
     def get_attr(self, target, args, kwargs):  # constants (the overflow buffer) enter as fakes
         val = super().get_attr(target, args, kwargs)

@@ -395,3 +395,47 @@ def test_forward_only_keeps_a_shared_buffer_in_eager_order():
             assert torch.equal(a, b), (shared, name)
         mbs_of_calls = [n.meta[STEP_KEY].microbatch for n in engine.program.graph.nodes if n.op == "call_module"]
         assert (mbs_of_calls == sorted(mbs_of_calls)) == shared, mbs_of_calls  # in order only when shared
+
+
+def test_layers_left_whole_keep_their_fake_values(monkeypatch):
+    """After cutting, the chunk pass recomputes fake values only through the layers it cut and what
+    reads them: the forward of a layer before the cut one (left whole: its experts draw) reads what
+    it read before, so its nodes, its experts' dropout among them, are not run again (torch 2.11's
+    dropout decomposition guards on the experts' unbacked rows when run again; there the whole
+    program failed to build)."""
+    import torch.fx.passes.fake_tensor_prop as ftp
+
+    from fxoverlap.ir.meta import TAG_KEY
+    from fxoverlap.passes import chunk as chunk_pass
+    from fxoverlap.testing import token_batches
+    from rng_cases import CFG as RCFG
+    from rng_models import RandomTransformer
+
+    torch.manual_seed(0)
+    model = RandomTransformer(fxoverlap.models.MoEConfig.tiny(**RCFG), None)
+    model.layers[1].moe.experts.p = 0.0  # layer 1's experts draw nothing: it can be cut; layer 0's stay whole
+    ran: list = []
+    inside = [False]
+    real_prop, real_run = chunk_pass.propagate_fake_values, ftp.FakeTensorProp.run_node
+
+    def prop(*args, **kwargs):
+        inside[0] = True
+        try:
+            return real_prop(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def run_node(self, n):
+        if inside[0] and n.op == "call_function":
+            ran.append(n.meta.get(TAG_KEY))
+        return real_run(self, n)
+
+    monkeypatch.setattr(chunk_pass, "propagate_fake_values", prop)
+    monkeypatch.setattr(ftp.FakeTensorProp, "run_node", run_node)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(compiler="eager", chunks=2, progress=False))
+    plan = engine.plan([tuple(t) for t in token_batches(RCFG["vocab_size"], 1)])
+    names = {s.name for s in plan.stages}
+    assert "fwd_l1_experts_c0" in names and "fwd_l0_experts" in names and "fwd_l0_experts_c0" not in names
+    fwd = {t.layer for t in ran if t is not None and t.direction.value == "fwd"}
+    assert ran and 1 in fwd and not fwd & {-1, 0}, fwd  # the embedding and layer 0's forward: not run again
+    engine.close()
