@@ -8,6 +8,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sup
 
 import gc  # noqa: E402
 
+import pytest  # noqa: E402
+
 # The cyclic garbage collector: a session keeps torch, transformers and the module-level caches
 # of shared spawns and engines alive (several hundred thousand objects), and each tracing run
 # makes tens of thousands of short-lived FX nodes and fake tensors. With Python's default
@@ -22,3 +24,12 @@ def pytest_collection_finish(session) -> None:
     """Freeze what the imports and the collection made: later collections skip it."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def fp8_here(monkeypatch):
+    """Let ``expert_dtype="fp8_rowwise"`` through on CPU: the FP8 ops run their reference math
+    (tests/test_fp8.py, and FP8 with CUDA graphs in tests/test_cudagraph.py)."""
+    from fxoverlap import fp8_ops
+
+    monkeypatch.setattr(fp8_ops, "fp8_unavailable", lambda device: [])

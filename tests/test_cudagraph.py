@@ -628,13 +628,12 @@ def test_a_view_that_only_passes_a_value_on_stays_with_its_producer():
 
 
 @pytest.mark.slow  # ~20 s: the FP8 reference math on CPU
-def test_fp8_experts_replay_logic_bitwise(fake_cuda, monkeypatch):
+def test_fp8_experts_replay_logic_bitwise(fake_cuda, fp8_here):
     """FP8 experts (``expert_dtype="fp8_rowwise"``, the reference math on CPU) with CUDA graphs: the
     experts stages stay out of the graphs (their row counts are data-dependent), the stages around
     them are graphed, and captured then replayed steps equal eager with the same FP8 ops bitwise."""
     from fxoverlap import fp8_ops
 
-    monkeypatch.setattr(fp8_ops, "fp8_unavailable", lambda device: [])  # the ops run their CPU reference
     torch.manual_seed(0)
     cfg = MoEConfig.tiny(routing="dropless")
     base = MoETransformer(cfg).to(torch.bfloat16)

@@ -156,12 +156,6 @@ def test_cuda_calls_satisfy_scaled_grouped_mm_meta_checks():
 # ---------------------------------------------------------------- through fxoverlap (emulated FP8)
 
 
-@pytest.fixture
-def fp8_here(monkeypatch):
-    """Let the FP8 option through on CPU: the ops run their reference math."""
-    monkeypatch.setattr(fp8_ops, "fp8_unavailable", lambda device: [])
-
-
 def _names(stage) -> set:
     return {n.target for n in stage.graph_module.graph.nodes if n.op == "call_function"}
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fxoverlap import fp8_ops, ops
+from fxoverlap.bench.gpu_dp import sync
 from fxoverlap.bench.gpu_fp8 import _counts, sqnr
 from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.kernels import fp8_gemm, grouped_gemm
@@ -149,17 +150,12 @@ def uneven_counts(rows: int, groups: int, seed: int = 0) -> torch.Tensor:
 # ---------------------------------------------------------------- timing and profiling
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_us(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, reps: int = 1) -> float:
     """Median µs of one ``fn()`` over ``iters`` samples of ``reps`` calls: CUDA events on a GPU
     (queued back to back, one sync at the end), the wall clock elsewhere."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         marks = []
         for _ in range(iters):
@@ -189,11 +185,11 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, iters: int) 
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    _sync(device)
+    sync(device)
     with profile(activities=acts) as prof:
         for _ in range(iters):
             fn()
-        _sync(device)
+        sync(device)
     agg: dict[str, list[float]] = {}
     for e in prof.events():
         if getattr(e, "is_user_annotation", False):  # record_function ranges (ours or torch's)

@@ -116,7 +116,7 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
 
     _init(device)
     m, n_ep = args.emulate_dp, args.emulate_ep
-    layers = {"n_layers": args.layers} if getattr(args, "layers", None) else {}
+    layers = {"n_layers": args.layers} if args.layers else {}
     cfg, seq, mbs, n = SHAPES[args.shape]({**routing_fields(args.routing), **layers})
     n = args.microbatches or n
     cfg = emulated_config(cfg, n_ep)
@@ -192,6 +192,7 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
                     dp_by_op={k: per_step(row, args.iters) for k, row in dp_stats["by_op"].items()})
 
     on = timed(True, True)
+    floor = dp_floor_ms(on["dp_by_op"])
     no_dp = timed(True, False)
     no_ep = timed(False, True)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -202,7 +203,7 @@ def measure(args: argparse.Namespace, mode: str, device: torch.device,
                dp_hold_ms=on["dp_hold_ms"], ep_hold_ms=on["ep_hold_ms"], dp_by_op=on["dp_by_op"],
                dp_exposed_ms=on["ms"] - no_dp["ms"], ep_exposed_ms=on["ms"] - no_ep["ms"],
                dp_hidden=_hidden(on["ms"], no_dp["ms"], on["dp_hold_ms"]),
-               dp_floor_ms=dp_floor_ms(on["dp_by_op"]), dp_hidden_bound=_bound(on["dp_by_op"], on["dp_hold_ms"]),
+               dp_floor_ms=floor, dp_hidden_bound=_hidden(floor, 0.0, on["dp_hold_ms"]),
                layers=cfg.n_layers,
                ep_hidden=_hidden(on["ms"], no_ep["ms"], on["ep_hold_ms"]),
                peak_gib=peak, process="one" if args.one_process else "own",
@@ -238,10 +239,6 @@ def dp_floor_ms(by_op: dict) -> float:
     whose first stage reads the first gathered unit and whose last stage writes the last reduced
     gradient (the reference model's embedding does both)."""
     return by_op.get("all_gather", {}).get("first_ms", 0.0) + by_op.get("reduce_scatter", {}).get("last_ms", 0.0)
-
-
-def _bound(by_op: dict, hold: float) -> float | None:
-    return None if hold <= 0 else 1.0 - dp_floor_ms(by_op) / hold
 
 
 def _hidden(t_step: float, t_without: float, hold: float) -> float | None:
