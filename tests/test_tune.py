@@ -257,3 +257,16 @@ def test_step_model_on_a_real_program_and_the_budget():
     p = res.microbatch_prediction
     assert sorted(p) == [4, 8, 16] and 0 < p[4] < p[8] < p[16]
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_bench_tune_tiny_is_the_peer_model_only(monkeypatch, capsys):
+    """``bench tune --tiny`` defaults to the peer model (the HF layers have no tiny shape), and
+    refuses HF names by name instead of building a released-shape model on the wrong device."""
+    import sys
+
+    from fxoverlap.bench import gpu_tune
+
+    monkeypatch.setattr(sys, "argv", ["tune", "--tiny", "--device", "cpu", "--models", "peer,qwen3_moe"])
+    with pytest.raises(SystemExit) as e:
+        gpu_tune.main()
+    assert e.value.code == 2 and "--tiny builds the peer model only" in capsys.readouterr().err

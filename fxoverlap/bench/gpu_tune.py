@@ -107,8 +107,8 @@ def time_config(model, group, mbs, loss_fn, cfg, timer, warmup: int, iters: int)
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m fxoverlap.bench tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="peer,qwen3_moe,deepseek_v3",
-                   help="peer (the Megatron peer's shape) and/or bench hf --real's names (qwen3_moe, deepseek_v3, ...)")
+    p.add_argument("--models", help="peer (the Megatron peer's shape) and/or bench hf --real's names (qwen3_moe, "
+                   "deepseek_v3, ...); default: peer,qwen3_moe,deepseek_v3 (peer with --tiny)")
     p.add_argument("--gbps", default="45,100,300", help="emulated link speeds, GB/s")
     p.add_argument("--budget", type=float, default=60.0, help="tune's budget_s")
     p.add_argument("--microbatches", type=int, help="default: 8 (peer), 4 (HF)")
@@ -123,6 +123,10 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = p.parse_args()
+    if a.models is None:
+        a.models = "peer" if a.tiny else "peer,qwen3_moe,deepseek_v3"
+    elif a.tiny and set(a.models.split(",")) - {"peer", ""}:
+        p.error("--tiny builds the peer model only (MoEConfig.tiny); drop --tiny or use --models peer")
     os.makedirs(a.out, exist_ok=True)
     fxoverlap.enable_dynamic_output_shapes()
     device = torch.device(a.device)
