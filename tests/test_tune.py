@@ -254,6 +254,9 @@ def test_step_model_on_a_real_program_and_the_budget():
     assert res.choice == cands[0] and res.config == cands[0].config(cfg)
     assert [r["status"] for r in res.table] == ["timed, chosen", "skipped (budget)"]
     assert all(r["predicted_ms"] > 0 for r in res.table) and res.table[0]["measured_ms"] > 0
+    # the stage times it predicted from, by stage name (bench tune records them)
+    assert res.stage_ms and all(t >= 0 for t in res.stage_ms.values())
+    assert any(n.startswith("fwd_l0_experts") for n in res.stage_ms)
     p = res.microbatch_prediction
     assert sorted(p) == [4, 8, 16] and 0 < p[4] < p[8] < p[16]
     assert all(p.grad is None for p in model.parameters())

@@ -155,6 +155,7 @@ def main() -> None:
                 row["sweep_table"] = sweep.table
             tuned = tune_with_report(model, group, mbs, loss_fn, budget_s=a.budget, **kw)
             row.update(tune_s=round(tuned.seconds, 1), choice=tuned.choice.fields(), tuned_table=tuned.table,
+                       stage_ms_table=tuned.stage_ms,
                        predicted_ms_by_microbatches=tuned.microbatch_prediction,
                        timed_programs=sum(1 for r in tuned.table if r["status"].startswith("timed")))
             configs = {"defaults": cfg, "tuned": tuned.config}

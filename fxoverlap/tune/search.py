@@ -30,7 +30,9 @@ class TuneResult:
     """:func:`tune_with_report`'s answer: the config, the candidate it is, where it came from
     (``"timed"``, ``"cache"``, ``"defaults"``: skipped), the table of what was tried (one row per
     candidate: its fields, ``predicted_ms``, ``measured_ms`` (slowest rank's median), ``status``),
-    the predicted step of the choice at other microbatch counts, and the seconds spent."""
+    the predicted step of the choice at other microbatch counts, the seconds spent, and the
+    defaults' stage times the step model used (ms per call by stage name; empty without a
+    stage profile): with them the step model replays any program of the same stages offline."""
 
     config: OverlapConfig
     choice: Candidate | None
@@ -39,6 +41,7 @@ class TuneResult:
     microbatch_prediction: dict[int, float] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     cache_path: str | None = None
+    stage_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def format_table(self) -> str:
         rows = [("candidate", "predicted ms", "measured ms", "status")]
@@ -98,7 +101,7 @@ def search(s: Session, candidates: list[Candidate], budget_s: float, iters: int,
         group_cost = max(group_cost, time.perf_counter() - t0)
     best = min(measured, key=lambda c: (measured[c], candidates.index(c)))
     rows[best]["status"] += ", chosen"
-    result = TuneResult(best.config(s.base), best, "timed", [rows[c] for c in candidates])
+    result = TuneResult(best.config(s.base), best, "timed", [rows[c] for c in candidates], stage_ms=profile or {})
     if profile is not None and not s.forward_only:
         for n in REPORT_MICROBATCHES:
             stages, program = s.structure(best, n)
