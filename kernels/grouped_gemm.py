@@ -46,6 +46,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``dw[g] = x[group g].T @ dy[group g]``, shape ``[G, K, N]``."""
     if use_grouped_mm(x, dy):
+        if offs.data_ptr() % 16:  # a chunk's slice of the offsets (passes/chunk.py) may start off 16 bytes
+            offs = offs.clone()
         return torch._grouped_mm(x.t(), dy.contiguous(), offs=offs)
     dw = x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
     start = 0

@@ -9,7 +9,7 @@ Why local experts and not tokens (docs/design.md, "Chunks"): everything that red
 the microbatch's tokens (the router, its statistics and auxiliary losses, load-balance
 buffers, the loss) lies before the dispatch or after the combine and still runs once on all
 tokens; each expert's rows travel in exactly one chunk, so its weight gradient is one sum
-over its rows, as in eager (the other chunks add exact zeros); no random op is split.
+over its rows, as in eager (computed by its chunk alone); no random op is split.
 
 Contract
 --------
@@ -32,14 +32,17 @@ ops on the gradients and a clone of the backward experts. The combine's output a
 gradient of the dispatch's input are the same rows in the same order as before
 (``fxoverlap::merge_chunks``, a copy by slices, in the last chunk's comm stage), and each gradient
 the experts hand out is the sum of the chunks' (same value names, so the capture's roles
-hold). Nodes outside the chains are not touched. A layer it cannot cut stays as it was;
+hold), except a stacked weight's ``fxoverlap::grouped_mm_wgrad``: chunk c computes the groups of
+its own experts only (``offs[lo:hi]``) and the gradient is the parts joined in order (``cat``),
+the same values without a full-size gradient of zeros per chunk and their sum. Nodes outside the chains are not touched. A layer it cannot cut stays as it was;
 :attr:`Chunking.skipped` says why, per layer. Every new node gets its fake value.
 
 Steps
 -----
 1. Find each layer's chain and check that it can be cut (:func:`_find_chain`).
 2. Per chunk, write the forward chain, then the backward chain (:func:`_cut`).
-3. Merge: ``merge_chunks`` for the rows, a sum for each gradient; erase the old chain.
+3. Merge: ``merge_chunks`` for the rows, a sum for each gradient (a ``cat`` of the chunks'
+   experts for a grouped GEMM's weight gradient); erase the old chain.
 4. Fake values for the whole graph (the capture's fake mode); check that the cloned
    experts are row-wise (:func:`_row_wise`); a layer that is not is put back
    (the pass reruns on the original graph without it).
@@ -63,7 +66,8 @@ from fxoverlap.ir.errors import FxOverlapError
 from fxoverlap.ir.meta import RNG_ORDER_KEY, TAG_KEY, op_name
 from fxoverlap.ir.stage import MOE_CHAIN_KINDS, Direction, Stage, StageKind, Tag
 from fxoverlap.kernels import a2a
-from fxoverlap.ops import COMBINE_CHUNK_OP, COMBINE_OP, DISPATCH_CHUNK_OP, DISPATCH_OP, MERGE_CHUNKS_OP
+from fxoverlap.ops import (COMBINE_CHUNK_OP, COMBINE_OP, DISPATCH_CHUNK_OP, DISPATCH_OP, GROUPED_MM_WGRAD_OP,
+                           MERGE_CHUNKS_OP)
 from fxoverlap.passes.dispatcher import propagate_fake_values
 
 F, B, K = Direction.FWD, Direction.BWD, StageKind
@@ -283,6 +287,18 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
                                                         chunks), Tag(B, L, K.DISPATCH, chunk=c), bc))
             _become(bc, MERGE_CHUNKS_OP, (parts, counts, chain.ep, bc.args[4], first), Tag(B, L, K.DISPATCH, chunk=last))
             for n in grads:  # the old node becomes the sum, so the capture's name for the gradient holds
+                if _wgrad_of_local_experts(n, counts, chain.ep):
+                    # each chunk's weight gradient of its own experts only, joined: no zeros
+                    # written for the other experts and no sum of full-size gradients
+                    local = n.args[2].meta["val"].shape[0]
+                    for c, env in enumerate(envs):
+                        w = env[n]
+                        lo, hi = a2a.chunk_bounds(local, c, chunks)
+                        offs = _new(g, torch.ops.aten.slice.Tensor, (w.args[2], 0, lo, hi), w.meta[TAG_KEY], w)
+                        w.args = (w.args[0], w.args[1], offs)
+                    _become(n, torch.ops.aten.cat.default, ([env[n] for env in envs], 0),
+                            dataclasses.replace(n.meta[TAG_KEY], chunk=last))
+                    continue
                 total = envs[0][n]
                 for env in envs[1:-1]:
                     total = _new(g, torch.ops.aten.add.Tensor, (total, env[n]), Tag(B, L, K.EXPERTS, chunk=last), n)
@@ -291,6 +307,20 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
         old += [bd, *_getitems(bd).values(), *(n for n in chain.bwd_rows if n not in grads)]
     for n in sorted(old, key=_position(gm), reverse=True):
         g.erase_node(n)
+
+
+def _wgrad_of_local_experts(n: torch.fx.Node, counts: torch.fx.Node, ep: int) -> bool:
+    """Whether the summed gradient ``n`` is ``fxoverlap::grouped_mm_wgrad(x, dy, offs)`` over the
+    layer's local experts (one group each, ``offs`` their row ends): then chunk ``c``'s part is
+    the groups of its experts alone, ``offs[lo:hi]`` (every group before ``lo`` has no rows in the
+    chunk, so its rows start at 0), and the whole gradient is the chunks' parts joined in order."""
+    if n.target is not GROUPED_MM_WGRAD_OP:
+        return False
+    offs, val, sent = n.args[2], n.meta.get("val"), counts.meta.get("val")
+    if not isinstance(offs, torch.fx.Node) or val is None or sent is None:
+        return False
+    local = sent.numel() // ep
+    return offs.meta["val"].dim() == 1 and offs.meta["val"].shape[0] == local == val.shape[0]
 
 
 def _become(n: torch.fx.Node, target, args: tuple, tag: Tag) -> None:

@@ -439,3 +439,41 @@ def test_layers_left_whole_keep_their_fake_values(monkeypatch):
     fwd = {t.layer for t in ran if t is not None and t.direction.value == "fwd"}
     assert ran and 1 in fwd and not fwd & {-1, 0}, fwd  # the embedding and layer 0's forward: not run again
     engine.close()
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_chunk_weight_gradients_are_their_experts_only(chunks):
+    """Each chunk's experts weight gradient covers its own experts only (``offs[lo:hi]``), and the
+    layer's gradient is the chunks' parts joined with ``cat``: no full-size gradient of zeros per
+    chunk, no sum. One rank, eager stages, 4 local experts: the experts' gradients and the loss
+    bitwise eager's (each expert's rows in one chunk, the same products)."""
+    from fxoverlap.models import MoEConfig, MoETransformer
+    from fxoverlap.ops import GROUPED_MM_WGRAD_OP
+    from fxoverlap.testing import eager_steps, take_grads, token_batches
+
+    cfg = MoEConfig.tiny(n_experts=4)
+    torch.manual_seed(0)
+    model = MoETransformer(cfg, None)
+    mbs = token_batches(cfg.vocab_size, 2)
+    ref_losses = eager_steps(model, mbs)
+    ref = take_grads(model)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(compiler="eager", chunks=chunks,
+                                                                      delay_wgrad=True, progress=False))
+    losses = engine.forward_backward(mbs)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    got = take_grads(model)
+    experts = [k for k in ref if ".experts." in k]
+    assert experts and all(torch.equal(got[k], ref[k]) for k in experts), experts
+    assert max((got[k] - ref[k]).abs().max().item() / ref[k].abs().max().item() for k in ref) <= 1e-6
+    wgrads = {s.name: s for s in engine.stages if "experts_c" in s.name and s.name.endswith("_wgrad")}
+    for layer in range(cfg.n_layers):
+        for c in range(chunks):
+            g = wgrads[f"bwd_l{layer}_experts_c{c}_wgrad"].graph_module.graph
+            parts = [n for n in g.nodes if n.target is GROUPED_MM_WGRAD_OP]
+            lo, hi = c * 4 // chunks, (c + 1) * 4 // chunks
+            assert parts and all(n.args[2].target is torch.ops.aten.slice.Tensor and n.args[2].args[2:] == (lo, hi)
+                                 for n in parts), g
+            adds = [n for n in g.nodes if n.target is torch.ops.aten.add.Tensor]
+            assert not adds, adds
+        last = wgrads[f"bwd_l{layer}_experts_c{chunks - 1}_wgrad"].graph_module.graph
+        assert sum(n.target is torch.ops.aten.cat.default for n in last.nodes) >= 2
