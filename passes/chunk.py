@@ -287,7 +287,7 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
                                                         chunks), Tag(B, L, K.DISPATCH, chunk=c), bc))
             _become(bc, MERGE_CHUNKS_OP, (parts, counts, chain.ep, bc.args[4], first), Tag(B, L, K.DISPATCH, chunk=last))
             for n in grads:  # the old node becomes the sum, so the capture's name for the gradient holds
-                if _wgrad_of_local_experts(n, counts, chain.ep):
+                if _wgrad_of_local_experts(n, counts, chain.recv_counts, chain.ep):
                     # each chunk's weight gradient of its own experts only, joined: no zeros
                     # written for the other experts and no sum of full-size gradients
                     local = n.args[2].meta["val"].shape[0]
@@ -309,18 +309,41 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
         g.erase_node(n)
 
 
-def _wgrad_of_local_experts(n: torch.fx.Node, counts: torch.fx.Node, ep: int) -> bool:
-    """Whether the summed gradient ``n`` is ``fxoverlap::grouped_mm_wgrad(x, dy, offs)`` over the
-    layer's local experts (one group each, ``offs`` their row ends): then chunk ``c``'s part is
-    the groups of its experts alone, ``offs[lo:hi]`` (every group before ``lo`` has no rows in the
-    chunk, so its rows start at 0), and the whole gradient is the chunks' parts joined in order."""
-    if n.target is not GROUPED_MM_WGRAD_OP:
+# What may lie between the received counts and a grouped GEMM's offsets for the groups to be the
+# local experts in order: per-expert arithmetic that keeps each expert in its place.
+# (The arithmetic ops count only with a number as their other operand: one node among the args.)
+_ORDER_KEEPING = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default, torch.ops.prims.convert_element_type.default,
+                  torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar, torch.ops.aten.sub.Tensor, torch.ops.aten.sub.Scalar,
+                  torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.aten.floor_divide.default,
+                  torch.ops.aten.floor_divide.Scalar, torch.ops.aten.remainder.Scalar, torch.ops.aten.clamp_min.default}
+
+
+def _wgrad_of_local_experts(n: torch.fx.Node, counts: torch.fx.Node, recv_counts: torch.fx.Node, ep: int) -> bool:
+    """Whether the summed gradient ``n`` is ``fxoverlap::grouped_mm_wgrad(x, dy, offs)`` with one
+    group per local expert, in order: ``offs`` is the running sum of the received counts summed
+    over the source ranks, through order-keeping arithmetic only. Then chunk ``c``'s part is the
+    groups of its experts alone, ``offs[lo:hi]`` (every group before ``lo`` has no rows in the
+    chunk, so its rows start at 0), and the whole gradient is the chunks' parts joined in order.
+    Anything else between the counts and the offsets keeps the sum of full-size gradients."""
+    if n.target is not GROUPED_MM_WGRAD_OP or not isinstance(n.args[2], torch.fx.Node):
         return False
-    offs, val, sent = n.args[2], n.meta.get("val"), counts.meta.get("val")
-    if not isinstance(offs, torch.fx.Node) or val is None or sent is None:
+    val, sent, got = n.meta.get("val"), counts.meta.get("val"), recv_counts.meta.get("val")
+    if val is None or sent is None or got is None or got.dim() != 2 or val.shape[0] != sent.numel() // ep:
         return False
-    local = sent.numel() // ep
-    return offs.meta["val"].dim() == 1 and offs.meta["val"].shape[0] == local == val.shape[0]
+    node, seen_cumsum, seen_sum = n.args[2], False, False
+    while node is not recv_counts:
+        args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        if node.op != "call_function" or len(args) != 1:
+            return False
+        if node.target is torch.ops.aten.cumsum.default and node.args[1] in (0, -1) and not seen_cumsum:
+            seen_cumsum = True
+        elif (node.target is torch.ops.aten.sum.dim_IntList and list(node.args[1]) in ([0], [-2])
+              and seen_cumsum and not seen_sum and len(node.args) == 2 and not node.kwargs.get("keepdim")):
+            seen_sum = True
+        elif node.target not in _ORDER_KEEPING:
+            return False
+        node = args[0]
+    return seen_cumsum and seen_sum
 
 
 def _become(n: torch.fx.Node, target, args: tuple, tag: Tag) -> None:

@@ -477,3 +477,29 @@ def test_chunk_weight_gradients_are_their_experts_only(chunks):
             assert not adds, adds
         last = wgrads[f"bwd_l{layer}_experts_c{chunks - 1}_wgrad"].graph_module.graph
         assert sum(n.target is torch.ops.aten.cat.default for n in last.nodes) >= 2
+
+
+@pytest.mark.parametrize("offsets, joined", [
+    (lambda rc: torch.cumsum(rc.sum(0), 0).to(torch.int32), True),  # expert_parallel's, the reference model's
+    (lambda rc: torch.cumsum(rc.sum(0) + 0, 0).to(torch.int32), True),
+    (lambda rc: torch.cumsum(rc.sum(0).flip(0), 0).to(torch.int32), False),  # groups not the experts in order
+    (lambda rc: torch.cumsum(rc.sum(1), 0).to(torch.int32), False),  # summed over the wrong dimension
+])
+def test_chunk_joins_weight_gradients_only_for_groups_in_expert_order(offsets, joined):
+    """The join (``cat`` of each chunk's experts) is used only where the grouped GEMM's groups are
+    the local experts in order; otherwise the chunks' full-size gradients are summed, as before."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxoverlap.ops import GROUPED_MM_WGRAD_OP
+    from fxoverlap.passes.chunk import _wgrad_of_local_experts
+
+    ep, local = 2, 4
+
+    def f(counts, recv_counts, x, dy):
+        return torch.ops.fxoverlap.grouped_mm_wgrad(x, dy, offsets(recv_counts)), counts
+
+    gm = make_fx(f, tracing_mode="fake")(torch.ones(ep * local, dtype=torch.int64),
+                                         torch.ones(ep, local, dtype=torch.int64), torch.randn(16, 8), torch.randn(16, 6))
+    counts, recv_counts = list(gm.graph.nodes)[:2]
+    wgrad = next(n for n in gm.graph.nodes if n.target is GROUPED_MM_WGRAD_OP)
+    assert _wgrad_of_local_experts(wgrad, counts, recv_counts, ep) is joined
