@@ -34,8 +34,9 @@ gradient of the dispatch's input are the same rows in the same order as before
 the experts hand out is the sum of the chunks' (same value names, so the capture's roles
 hold), except a stacked weight's ``fxoverlap::grouped_mm_wgrad``: chunk c computes the groups of
 its own experts only (``offs[lo:hi]``) and the gradient is the parts joined in order (``cat``),
-the same values without a full-size gradient of zeros per chunk and their sum. Nodes outside the chains are not touched. A layer it cannot cut stays as it was;
-:attr:`Chunking.skipped` says why, per layer. Every new node gets its fake value.
+the same values without a full-size gradient of zeros per chunk and their sum. Nodes outside
+the chains are not touched. A layer it cannot cut stays as it was; :attr:`Chunking.skipped`
+says why, per layer. Every new node gets its fake value.
 
 Steps
 -----
@@ -310,12 +311,12 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
 
 
 # What may lie between the received counts and a grouped GEMM's offsets for the groups to be the
-# local experts in order: per-expert arithmetic that keeps each expert in its place.
-# (The arithmetic ops count only with a number as their other operand: one node among the args.)
+# local experts in order, each group before a chunk's first expert empty: elementwise maps that keep
+# every expert in its place and send 0 to 0 (so not adding a constant). The arithmetic ops count
+# only with a number as their other operand (one node among the args).
 _ORDER_KEEPING = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default, torch.ops.prims.convert_element_type.default,
-                  torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar, torch.ops.aten.sub.Tensor, torch.ops.aten.sub.Scalar,
                   torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.aten.floor_divide.default,
-                  torch.ops.aten.floor_divide.Scalar, torch.ops.aten.remainder.Scalar, torch.ops.aten.clamp_min.default}
+                  torch.ops.aten.floor_divide.Scalar, torch.ops.aten.remainder.Scalar}
 
 
 def _wgrad_of_local_experts(n: torch.fx.Node, counts: torch.fx.Node, recv_counts: torch.fx.Node, ep: int) -> bool:

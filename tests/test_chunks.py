@@ -481,7 +481,8 @@ def test_chunk_weight_gradients_are_their_experts_only(chunks):
 
 @pytest.mark.parametrize("offsets, joined", [
     (lambda rc: torch.cumsum(rc.sum(0), 0).to(torch.int32), True),  # expert_parallel's, the reference model's
-    (lambda rc: torch.cumsum(rc.sum(0) + 0, 0).to(torch.int32), True),
+    (lambda rc: torch.cumsum(rc.sum(0) * 2, 0).to(torch.int32) // 2, True),  # order-keeping, 0 -> 0
+    (lambda rc: torch.cumsum(rc.sum(0) + 1, 0).to(torch.int32), False),  # an empty group would not stay empty
     (lambda rc: torch.cumsum(rc.sum(0).flip(0), 0).to(torch.int32), False),  # groups not the experts in order
     (lambda rc: torch.cumsum(rc.sum(1), 0).to(torch.int32), False),  # summed over the wrong dimension
 ])
