@@ -108,6 +108,10 @@ class _Chain:
     def ep(self) -> int:
         return a2a.world_size(a2a.resolve_group(self.dispatch.args[2]))
 
+    @property
+    def local_experts(self) -> int:
+        return self.dispatch.args[1].meta["val"].shape[0] // self.ep
+
     def sources(self) -> set[torch.fx.Node]:
         """What the exchanges bring the experts (each chunk has its own)."""
         return {self.received, self.recv_counts} | ({self.bwd_grad} if self.bwd_grad is not None else set())
@@ -148,7 +152,7 @@ def _find_chain(by_tag: dict[tuple, list[torch.fx.Node]], layer: int, chunks: in
     if d.args[3] is not None or set(items) != {0, 1}:
         raise _CannotCut(f"its dispatch {d.name} is not a forward dispatch with both outputs read")
     chain = _Chain(layer, d, items[0], items[1], c, nodes(F, K.EXPERTS))
-    el = d.args[1].meta["val"].shape[0] // chain.ep
+    el = chain.local_experts
     if el < chunks:
         raise _CannotCut(f"it has {el} local expert(s), fewer than chunks={chunks} (chunks are cut along local experts)")
     if c.args[1] is not chain.recv_counts or c.args[2] is not d.args[1]:
@@ -288,13 +292,12 @@ def _cut(gm: torch.fx.GraphModule, chain: _Chain, chunks: int) -> None:
                                                         chunks), Tag(B, L, K.DISPATCH, chunk=c), bc))
             _become(bc, MERGE_CHUNKS_OP, (parts, counts, chain.ep, bc.args[4], first), Tag(B, L, K.DISPATCH, chunk=last))
             for n in grads:  # the old node becomes the sum, so the capture's name for the gradient holds
-                if _wgrad_of_local_experts(n, counts, chain.recv_counts, chain.ep):
+                if _wgrad_of_local_experts(n, chain.recv_counts, chain.local_experts):
                     # each chunk's weight gradient of its own experts only, joined: no zeros
                     # written for the other experts and no sum of full-size gradients
-                    local = n.args[2].meta["val"].shape[0]
                     for c, env in enumerate(envs):
                         w = env[n]
-                        lo, hi = a2a.chunk_bounds(local, c, chunks)
+                        lo, hi = a2a.chunk_bounds(chain.local_experts, c, chunks)
                         offs = _new(g, torch.ops.aten.slice.Tensor, (w.args[2], 0, lo, hi), w.meta[TAG_KEY], w)
                         w.args = (w.args[0], w.args[1], offs)
                     _become(n, torch.ops.aten.cat.default, ([env[n] for env in envs], 0),
@@ -319,7 +322,7 @@ _ORDER_KEEPING = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
                   torch.ops.aten.floor_divide.Scalar, torch.ops.aten.remainder.Scalar}
 
 
-def _wgrad_of_local_experts(n: torch.fx.Node, counts: torch.fx.Node, recv_counts: torch.fx.Node, ep: int) -> bool:
+def _wgrad_of_local_experts(n: torch.fx.Node, recv_counts: torch.fx.Node, local_experts: int) -> bool:
     """Whether the summed gradient ``n`` is ``fxoverlap::grouped_mm_wgrad(x, dy, offs)`` with one
     group per local expert, in order: ``offs`` is the running sum of the received counts summed
     over the source ranks, through order-keeping arithmetic only. Then chunk ``c``'s part is the
@@ -328,8 +331,8 @@ def _wgrad_of_local_experts(n: torch.fx.Node, counts: torch.fx.Node, recv_counts
     Anything else between the counts and the offsets keeps the sum of full-size gradients."""
     if n.target is not GROUPED_MM_WGRAD_OP or not isinstance(n.args[2], torch.fx.Node):
         return False
-    val, sent, got = n.meta.get("val"), counts.meta.get("val"), recv_counts.meta.get("val")
-    if val is None or sent is None or got is None or got.dim() != 2 or val.shape[0] != sent.numel() // ep:
+    val, got = n.meta.get("val"), recv_counts.meta.get("val")
+    if val is None or got is None or got.dim() != 2 or val.shape[0] != local_experts:
         return False
     node, seen_cumsum, seen_sum = n.args[2], False, False
     while node is not recv_counts:

@@ -496,11 +496,10 @@ def test_chunk_joins_weight_gradients_only_for_groups_in_expert_order(offsets, j
 
     ep, local = 2, 4
 
-    def f(counts, recv_counts, x, dy):
-        return torch.ops.fxoverlap.grouped_mm_wgrad(x, dy, offsets(recv_counts)), counts
+    def f(recv_counts, x, dy):
+        return torch.ops.fxoverlap.grouped_mm_wgrad(x, dy, offsets(recv_counts))
 
-    gm = make_fx(f, tracing_mode="fake")(torch.ones(ep * local, dtype=torch.int64),
-                                         torch.ones(ep, local, dtype=torch.int64), torch.randn(16, 8), torch.randn(16, 6))
-    counts, recv_counts = list(gm.graph.nodes)[:2]
+    gm = make_fx(f, tracing_mode="fake")(torch.ones(ep, local, dtype=torch.int64), torch.randn(16, 8), torch.randn(16, 6))
+    recv_counts = next(iter(gm.graph.nodes))
     wgrad = next(n for n in gm.graph.nodes if n.target is GROUPED_MM_WGRAD_OP)
-    assert _wgrad_of_local_experts(wgrad, counts, recv_counts, ep) is joined
+    assert _wgrad_of_local_experts(wgrad, recv_counts, local) is joined
