@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from fxoverlap.config import OverlapConfig
 from fxoverlap.cudagraphs import GraphCache
 from fxoverlap.dispatch_ops import overflow_guard
 from fxoverlap.expert_parallel import explain_capture_error
+from fxoverlap import torchtitan_experts
 from fxoverlap.fp8_ops import check_expert_dtype, check_fp8_applied, expert_math
 from fxoverlap.grad_reduce import GradReduceConfigError, GradReduceError, GradReduction, check_groups
 from fxoverlap.ir.bucket import Bucket
@@ -112,7 +114,7 @@ class Engine:
             if (ddp := wrapped_by_ddp(self.model)) is not None:
                 raise ddp
             check_expert_dtype(self.config.expert_dtype, self._device())
-            with expert_math(self.config.expert_dtype):  # the experts' GEMMs traced in that dtype
+            with expert_math(self.config.expert_dtype), self._expert_seams():  # the experts' GEMMs in that dtype
                 cap = capture(self.model, inputs, fn, self.config.layer_container, train=train,
                               explain=explain_capture_error,
                               plain_params=None if self.sharding is None else self.sharding.program_shapes)
@@ -129,6 +131,12 @@ class Engine:
                 self.cache.put(program_key(self.model, inputs, getattr(inputs, "keywords", ()), fn,
                                            key.role, self.config, self._groups), entry)
         return entry
+
+    def _expert_seams(self) -> contextlib.AbstractContextManager:
+        """With ``expert_dtype`` set, torchtitan's experts run fxoverlap's grouped GEMM while traced."""
+        if self.config.expert_dtype is None:
+            return contextlib.nullcontext()
+        return torchtitan_experts.fxoverlap_gemms(self.model)
 
     def _entry(self, inputs: Sequence[torch.Tensor], fn: Callable | None,
                train: bool) -> tuple[CompiledModel, NamedTensors]:

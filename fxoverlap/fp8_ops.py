@@ -224,5 +224,5 @@ def check_fp8_applied(expert_dtype: str | None, gm: torch.fx.GraphModule, model:
     raise Fp8ExpertError(
         f"OverlapConfig(expert_dtype={expert_dtype!r}): {model}'s traced step has no expert GEMM of fxoverlap's "
         f"(fxoverlap.ops.grouped_mm), so nothing would run in FP8. It applies to the reference model "
-        f"(fxoverlap.models) and to transformers models after fxoverlap.expert_parallel(model, ep_group); "
-        f"torchtitan's experts call torch._grouped_mm themselves (not converted yet). Leave expert_dtype=None")
+        f"(fxoverlap.models), to transformers models after fxoverlap.expert_parallel(model, ep_group), and to "
+        f"torchtitan models whose experts are a GroupedExperts (their _grouped_mm seam). Leave expert_dtype=None")

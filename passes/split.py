@@ -20,8 +20,10 @@ launch), with the node that makes it so: the one place that is decided. The join
 With ``delay_wgrad``, each backward ``attn``/``experts``/``mlp`` stage is cut in
 two: the weight-gradient part (nodes whose results reach only parameter-gradient
 outputs) becomes a stage of its own, part ``WGRAD`` (``<name>_wgrad``), so the
-schedule can run it where it fills a comm slot. A layer's chunks (``chunk``) are cut
-together, so each chunk's weight gradient, which feeds the chunks' sum, is in its part.
+schedule can run it where it fills a comm slot. A layer's stages are cut together
+(its chunks, its attn and experts), so a weight gradient that reaches its output through
+another of the layer's stages (the chunks' sum; the cast back of a weight cast in the
+forward's attn stage) is still in its part.
 
 Steps
 -----
@@ -223,13 +225,16 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False,
             groups.setdefault(t, []).append(n)
     if delay_wgrad:
         output = next(iter(gm.graph.find_nodes(op="output")))
-        # the chunks of a layer's stage (``chunk``) together: an earlier chunk's weight gradient
-        # feeds the chunks' sum in the last chunk's stage, so it reaches only gradient outputs too
+        # a layer's backward attn/experts/mlp stages together: an earlier chunk's weight gradient
+        # feeds the chunks' sum in the last chunk's stage (``chunk``), and a weight cast in the
+        # forward's attn stage (torchtitan's ``w.bfloat16()``, independent of the dispatch) puts
+        # the gradient's cast back in the backward's attn stage, so the experts' weight-gradient
+        # GEMM reaches only gradient outputs through the attn stage
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        kin: dict[tuple, list[Tag]] = {}
+        kin: dict[int | None, list[Tag]] = {}
         for t in groups:
             if t.direction is Direction.BWD and t.kind in _WGRAD_KINDS and t.part is Part.MAIN:
-                kin.setdefault((t.layer, t.kind), []).append(t)
+                kin.setdefault(t.layer, []).append(t)
         for tags in kin.values():
             together = sorted((n for t in tags for n in groups[t]), key=order.get)
             wset = set(_wgrad_part(together, output))

@@ -47,6 +47,24 @@ def test_one_rank(family):
     assert r["comm_stages"] == {} and r["dtensor_grads"] == []
 
 
+def test_one_rank_fp8_experts(fp8_here):
+    """``OverlapConfig(expert_dtype="fp8_rowwise")`` on torchtitan's Qwen3-MoE with its own token
+    dispatcher: the experts' GEMMs go through torchtitan's ``_grouped_mm`` seam to fxoverlap's FP8
+    ops (their row groups padded to 16), bitwise eager's with the same FP8 ops, the weight
+    gradients in their own delayed stages; the option changed the numbers (not bf16's)."""
+    r = titan_real.train_vs_eager("qwen3_moe", ep=1, n=N, delay_wgrad=True, config=dict(expert_dtype="fp8_rowwise"))
+    _check_exact(r, "qwen3_moe")
+    ops = r["stage_ops"]
+    for layer in MOE_LAYERS["qwen3_moe"]:
+        assert ops[f"fwd_l{layer}_mlp"].count("fxoverlap.grouped_mm_fp8") == 3, ops[f"fwd_l{layer}_mlp"]
+        wgrad = [name for name in ops if name.startswith(f"bwd_l{layer}_") and name.endswith("_wgrad")]
+        assert sum(ops[name].count("fxoverlap.grouped_mm_fp8_wgrad") for name in wgrad) == 3, wgrad
+    assert not any("_grouped_mm" in op.split(".")[-1] and "fp8" not in op for o in ops.values() for op in o)
+    bf16 = titan_real.train_vs_eager("qwen3_moe", ep=1, n=1)
+    assert r["grads"] and bf16["losses_equal"] == [True]
+    assert r["fp8_loss0"] != bf16["fp8_loss0"]
+
+
 def test_one_rank_through_the_backend(monkeypatch):
     """torch.compile(model, backend="fxoverlap") on torchtitan's Qwen3-MoE as shipped: no
     fallback, bitwise losses, gradients and load-balance counters over accumulating
@@ -88,6 +106,10 @@ def test_two_ranks_torchtitan_expert_parallel(case):
     for rank_results in _two_ranks():
         r = rank_results[case]
         _check_exact(r, family)
+        if case.endswith("delay_wgrad"):  # the experts' three weight-gradient GEMMs too, not only attention's
+            ops = r["stage_ops"]
+            assert all(ops[f"bwd_l{i}_experts_wgrad"].count("aten._grouped_mm") == 3 and
+                       ops[f"bwd_l{i}_experts"].count("aten._grouped_mm") == 3 for i in MOE_LAYERS[family]), ops
         experts = [f"layers.{i}.moe.routed_experts.inner_experts.{w}" for i in MOE_LAYERS[family]
                    for w in ("w1_EFD", "w2_EDF", "w3_EFD")]
         assert r["dtensor_grads"] == sorted(experts), r["dtensor_grads"]
@@ -98,6 +120,22 @@ def test_two_ranks_torchtitan_expert_parallel(case):
         comm = {name: stream for name, kind, stream in r["stages"] if kind in ("dispatch", "combine")}
         assert comm and set(comm.values()) == {"comm"}, comm
         assert (r["wgrad_stages"] > 0) == case.endswith("delay_wgrad"), r["wgrad_stages"]
+
+
+def test_two_ranks_fp8_experts_in_chunks():
+    """torchtitan's EP (its dispatcher, DTensor expert weights), FP8 experts, 2 chunks and the
+    delayed weight gradient: bitwise eager's with the same FP8 ops; each experts chunk runs the FP8
+    ops, and the weight-gradient GEMMs are in wgrad stages."""
+    for rank_results in _two_ranks():
+        r = rank_results["qwen3_moe/fp8_chunks"]
+        _check_exact(r, "qwen3_moe")
+        ops = r["stage_ops"]
+        for i in MOE_LAYERS["qwen3_moe"]:
+            for c in (0, 1):
+                assert ops[f"fwd_l{i}_experts_c{c}"].count("fxoverlap.grouped_mm_fp8") == 3, ops[f"fwd_l{i}_experts_c{c}"]
+            wgrad = [name for name in ops if name.startswith(f"bwd_l{i}_experts") and name.endswith("_wgrad")]
+            assert sum(ops[name].count("fxoverlap.grouped_mm_fp8_wgrad") for name in wgrad) >= 6, wgrad
+        assert not any(op == "aten._grouped_mm" for o in ops.values() for op in o)
 
 
 def test_fsdp_wrapped_model_is_refused():

@@ -20,6 +20,7 @@ import this module by name.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -169,21 +170,36 @@ def full_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
+def _eager_math(model: nn.Module, expert_dtype: str | None):
+    """What eager runs under to use the experts' math of ``OverlapConfig(expert_dtype=...)``."""
+    if expert_dtype is None:
+        return contextlib.nullcontext()
+    from fxoverlap import fp8_ops, torchtitan_experts
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fp8_ops.expert_math(expert_dtype))
+    stack.enter_context(torchtitan_experts.fxoverlap_gemms(model))
+    return stack
+
+
 def train_vs_eager(family: str, ep: int, n: int, rank: int = 0, delay_wgrad: bool = False,
                    wrap=lambda model: model, config: dict | None = None, experts: int = 4) -> dict:
     """``engine.forward_backward`` over ``n`` microbatches vs eager ``loss.backward()`` per
-    microbatch, on two copies of the same model built from the same seed (then ``wrap``ped)."""
+    microbatch, on two copies of the same model built from the same seed (then ``wrap``ped);
+    with ``config["expert_dtype"]`` eager runs the same expert math."""
     eager, model = wrap(build(family, ep, experts=experts)), wrap(build(family, ep, experts=experts))
     mbs = batches(rank, n)
     ref_losses = []
-    for mb in mbs:
-        loss = next_token_loss(eager(*mb), *mb)
-        loss.backward()
-        ref_losses.append(loss.detach())
+    with _eager_math(eager, (config or {}).get("expert_dtype")):
+        for mb in mbs:
+            loss = next_token_loss(eager(*mb), *mb)
+            loss.backward()
+            ref_losses.append(loss.detach())
     group = dist.group.WORLD if ep > 1 else None
     engine = fxoverlap.optimize(model, group, fxoverlap.OverlapConfig(delay_wgrad=delay_wgrad, **(config or {})))
     losses = engine.forward_backward(mbs, loss_fn=next_token_loss)
-    return dict(stage_names=[s.name for s in engine.stages], losses_equal=[torch.equal(a, b) for a, b in zip(losses, ref_losses)], **compare(model, eager),
+    return dict(stage_names=[s.name for s in engine.stages], stage_ops={s.name: s.op_list() for s in engine.stages},
+                fp8_loss0=float(losses[0]), losses_equal=[torch.equal(a, b) for a, b in zip(losses, ref_losses)], **compare(model, eager),
                 **comm_placement(engine), wgrad_stages=sum(1 for s in engine.stages if s.wgrad_of),
                 eager_counted={k: float(_local(b).sum()) for k, b in eager.named_buffers() if "tokens_per_expert" in k})
 
@@ -283,9 +299,25 @@ def fsdp_error(world: int) -> str:
     return "no error"
 
 
+def fp8_chunks(rank: int, world: int, n: int) -> dict:
+    """Qwen3 with torchtitan's EP, FP8 experts (their reference math: the CPU has no FP8 GEMM, so
+    the device check is waived here, as the tests' ``fp8_here`` fixture does), 2 chunks and the
+    delayed weight gradient."""
+    from fxoverlap import fp8_ops
+
+    saved, fp8_ops.fp8_unavailable = fp8_ops.fp8_unavailable, lambda device: []
+    try:
+        return train_vs_eager("qwen3_moe", world, n, rank, delay_wgrad=True,
+                              config=dict(expert_dtype="fp8_rowwise", chunks=2))
+    finally:
+        fp8_ops.fp8_unavailable = saved
+
+
 def two_ranks(rank: int, world: int, n: int) -> dict:
-    """Both families with torchtitan's EP on every rank; Qwen3 also with wgrad stages."""
+    """Both families with torchtitan's EP on every rank; Qwen3 also with wgrad stages, and with
+    FP8 experts in chunks."""
     return {"qwen3_moe": train_vs_eager("qwen3_moe", world, n, rank),
+            "qwen3_moe/fp8_chunks": fp8_chunks(rank, world, n),
             "qwen3_moe/delay_wgrad": train_vs_eager("qwen3_moe", world, n, rank, delay_wgrad=True),
             "deepseek_v3": train_vs_eager("deepseek_v3", world, n, rank),
             "fsdp_error": fsdp_error(world)}
