@@ -351,18 +351,25 @@ class PaddedGroups(NamedTuple):
     index: torch.Tensor  # [R] the padded row of each real row
 
 
-def pad_groups(x: torch.Tensor, tokens_per_expert: torch.Tensor, align: int) -> PaddedGroups:
+def pad_groups(x: torch.Tensor, tokens_per_expert: torch.Tensor, align: int, tail: bool = False) -> PaddedGroups:
     """Rows of ``x`` (grouped by expert, ``tokens_per_expert[G]`` rows each) laid out so that each
     group starts at a multiple of ``align`` rows. No host read: the padded row count is the bound
     ``R + G * (align - 1)`` (the rows past the last group are zeros no group reads), and the rows
-    move by one scatter (a copy: the values are exact)."""
+    move by one scatter (a copy: the values are exact). ``tail``: ``x`` may have rows past its
+    groups (a capacity dispatcher's, e.g. torchtitan's HybridEP); they keep their order after the
+    padded groups. Without it the groups must fill ``x`` (what ``passes/chunk`` recognises)."""
     rows, groups = x.shape[0], tokens_per_expert.shape[0]
     counts = tokens_per_expert.to(torch.int64)
     padded = (counts + align - 1) // align * align
     start = torch.cumsum(counts, 0) - counts
     padded_start = torch.cumsum(padded, 0) - padded
-    group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts, output_size=rows)
-    index = torch.arange(rows, device=x.device) + (padded_start - start).index_select(0, group)
+    shift, repeats, labels = padded_start - start, counts, torch.arange(groups, device=x.device)
+    if tail:  # one more group: the rows past the groups, moved as far as the padding moved the end
+        shift = torch.cat([shift, (padded.sum() - counts.sum()).reshape(1)])
+        repeats = torch.cat([counts, (rows - counts.sum()).reshape(1)])
+        labels = torch.arange(groups + 1, device=x.device)
+    group = torch.repeat_interleave(labels, repeats, output_size=rows)
+    index = torch.arange(rows, device=x.device) + shift.index_select(0, group)
     out = x.new_zeros(rows + groups * (align - 1), *x.shape[1:]).index_copy(0, index, x)
     return PaddedGroups(out, padded.to(tokens_per_expert.dtype), index)
 
@@ -394,14 +401,15 @@ def bias_rows(b: torch.Tensor, row_group: torch.Tensor) -> torch.Tensor:
 
 
 def expert_rows(experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-                tokens_per_expert: torch.Tensor, row_align: int | None = None) -> torch.Tensor:
+                tokens_per_expert: torch.Tensor, row_align: int | None = None, tail: bool = False) -> torch.Tensor:
     """``experts(x, tokens_per_expert)``, with each expert's rows padded to ``row_align`` (default:
     the active ``fp8_ops.expert_math``'s, 16 under FP8) and the padding dropped from the result.
-    With an alignment of 1 it is the plain call (the graph is unchanged)."""
+    With an alignment of 1 it is the plain call (the graph is unchanged). ``tail``: as
+    :func:`pad_groups`'s."""
     align = fp8_ops.current().row_align if row_align is None else row_align
     if align == 1:
         return experts(x, tokens_per_expert)
-    p = pad_groups(x, tokens_per_expert, align)
+    p = pad_groups(x, tokens_per_expert, align, tail)
     return unpad_groups(experts(p.x, p.tokens_per_expert), p)
 
 

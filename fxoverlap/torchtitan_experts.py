@@ -10,7 +10,8 @@ the bf16 casts) stays torchtitan's:
   ``fxoverlap.ops.grouped_mm`` (the FP8 rowwise op under ``fp8_ops.expert_math("fp8_rowwise")``,
   whose weight gradient stays a node of its own for ``delay_wgrad``), and its ``forward`` runs
   with each expert's row group padded to the active alignment (``ops.expert_rows``: 16 rows
-  under FP8, sync-free), so torchtitan's default token dispatcher needs no change;
+  under FP8, sync-free), so torchtitan's default token dispatcher needs no change (a capacity
+  dispatcher's rows past the groups, DeepEP's or HybridEP's, are carried along: untested, CUDA only);
 * on exit both are the class's again. Only instance attributes are set, only for the
   duration of a trace or of an eager reference step; the model and its classes are unchanged.
 
@@ -61,6 +62,17 @@ def seam_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _groups_fill_rows(model: nn.Module, name: str) -> bool:
+    """Whether the experts at ``name`` get exactly their groups' rows: their sibling dispatcher
+    (torchtitan's ``RoutedExperts``) is the local or the all-to-all one. A capacity dispatcher
+    (DeepEP, HybridEP, ...) or an unknown caller may hand rows past the groups (``ops.pad_groups``'
+    tail), which the padding must then carry along."""
+    dispatchers = sys.modules["torchtitan.models.common.token_dispatcher"]
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    d = getattr(parent, "token_dispatcher", None)
+    return type(d) is dispatchers.LocalTokenDispatcher or isinstance(d, dispatchers.AllToAllTokenDispatcher)
+
+
 def _grouped_mm(*, A, B_t, offs):  # torchtitan's seam signature: A[R, D] @ B_t[e] per expert group
     return ops.grouped_mm(A, B_t, offs)
 
@@ -80,9 +92,9 @@ def fxoverlap_gemms(model: nn.Module) -> Iterator[list[str]]:
     # wrapped as found and put back as found
     saved = [vars(m).get("forward") for _, m in found]
     try:
-        for _, m in found:
-            forward = m.forward
-            m.forward = lambda x, counts, _forward=forward: ops.expert_rows(_forward, x, counts)
+        for name, m in found:
+            forward, tail = m.forward, not _groups_fill_rows(model, name)
+            m.forward = lambda x, counts, _forward=forward, _tail=tail: ops.expert_rows(_forward, x, counts, tail=_tail)
             setattr(m, _SEAM, _grouped_mm)
         yield [name for name, _ in found]
     finally:

@@ -69,6 +69,21 @@ def test_pad_groups_layout():
     assert torch.equal(ops.unpad_groups(p.x, p), x)
 
 
+def test_pad_groups_keeps_rows_past_the_groups():
+    """A capacity dispatcher's tail (rows past the last group, torchtitan's DeepEP/HybridEP): those
+    rows land after the padded groups in order, no group's padded rows hold them, and unpad gives
+    every row back."""
+    x = torch.randn(sum(COUNTS) + 7, 8)
+    p = ops.pad_groups(x, torch.tensor(COUNTS), 16, tail=True)
+    assert p.x.shape[0] == x.shape[0] + len(COUNTS) * 15
+    end = sum(p.tokens_per_expert.tolist())  # 96: where the padded groups stop
+    assert torch.equal(p.x[end:end + 7], x[sum(COUNTS):])
+    assert p.index[sum(COUNTS):].tolist() == list(range(end, end + 7))
+    assert torch.equal(ops.unpad_groups(p.x, p), x)
+    exact = ops.pad_groups(x[:sum(COUNTS)], torch.tensor(COUNTS), 16)  # groups that fill x: the same layout
+    assert torch.equal(exact.x[:end], p.x[:end]) and torch.equal(exact.index, p.index[:sum(COUNTS)])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padding_leaves_the_experts_exact(dtype):
     """Forward and every gradient with each group padded to 16 rows equal those without (the padded
