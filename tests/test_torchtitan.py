@@ -142,3 +142,38 @@ def test_fsdp_wrapped_model_is_refused():
     for rank_results in _two_ranks():
         msg = rank_results["fsdp_error"]
         assert "layers.0.attention is wrapped by FSDP2 (fully_shard)" in msg and "Leave data parallelism" in msg, msg
+
+
+@pytest.mark.parametrize("tail", [0, 7], ids=["rows_are_the_groups", "capacity_tail"])
+def test_gpt_oss_experts_padded_through_the_seam(monkeypatch, tail):
+    """torchtitan's GPT-OSS experts (biases, clamped SwiGLU, its own tail-slack handling) through
+    the seam with each group padded to 16 rows equal the unpadded seam bitwise in bf16: output,
+    input and every weight and bias gradient. With a capacity dispatcher's tail (rows past the
+    groups, no gradient back), ``ops.pad_groups(tail=True)`` carries the rows along."""
+    import torch
+    from torchtitan.models.gpt_oss import _make_gptoss_experts_config
+
+    from fxoverlap import fp8_ops, torchtitan_experts
+
+    monkeypatch.setattr(torchtitan_experts, "_groups_fill_rows", lambda model, name: tail == 0)
+    torch.manual_seed(0)
+    routed = _make_gptoss_experts_config(dim=32, hidden_dim=16, num_experts=4, layer_id=0, top_k=2,
+                                         moe_comm_backend="standard").build()
+    routed.init_states()
+    routed = routed.to(torch.bfloat16)
+    counts = torch.tensor([5, 0, 17, 18])
+    x0 = torch.randn(int(counts.sum()) + tail, 32, dtype=torch.bfloat16)
+    dy = torch.randn_like(x0)
+    dy[int(counts.sum()):] = 0  # rows past the groups: the combine drops them
+    runs = []
+    for align in (1, 16):
+        routed.zero_grad()
+        x = x0.clone().requires_grad_()
+        with fp8_ops.expert_math(None, row_align=align), torchtitan_experts.fxoverlap_gemms(routed) as names:
+            y = routed.inner_experts(x, counts)
+        assert names == ["inner_experts"]
+        y.backward(dy)
+        runs.append([y[:int(counts.sum())].detach(), x.grad[:int(counts.sum())],
+                     *(p.grad for p in routed.inner_experts.parameters())])
+    assert "forward" not in vars(routed.inner_experts) and "_grouped_mm" not in vars(routed.inner_experts)
+    assert len(runs[0]) == 6 and all(torch.equal(a, b) for a, b in zip(*runs))
