@@ -228,6 +228,8 @@ def test_fp8_composes_with_chunks_delay_wgrad_and_user_ac(fp8_here, ac):
                for s in experts if s.kind != "recompute" or ac)
     bf16 = {torch.ops.fxoverlap.grouped_mm.default, ops.GROUPED_MM_WGRAD_OP}
     assert not any(bf16 & _names(s) for s in engine.stages)
+    # the padding's gradients are gathers: no scatter-add (atomics on the GPU) in any experts stage
+    assert not any(torch.ops.aten.index_add.default in _names(s) for s in experts)
     engine.close()
 
 

@@ -93,32 +93,32 @@ def forward(v: Variant, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
     """``ops.expert_rows(GroupedExperts, x, counts)``'s forward; returns what the backward saves."""
     if v.row_align > 1:
         p = ops.pad_groups(x, counts, v.row_align)
-        xp, sizes, index = p.x, p.tokens_per_expert, p.index
+        xp, sizes, padded = p.x, p.tokens_per_expert, p
     else:
-        xp, sizes, index = x, counts, None
+        xp, sizes, padded = x, counts, None
     offs = torch.cumsum(sizes, 0).to(torch.int32)
     h1 = v.mm(xp, w1, offs)
     a = F.silu(h1)
     h3 = v.mm(xp, w3, offs)
     h = a * h3
     y = v.mm(h, w2, offs)
-    out = y if index is None else y.index_select(0, index)  # ops.unpad_groups
-    return {"out": out, "xp": xp, "offs": offs, "index": index, "h1": h1, "a": a, "h3": h3, "h": h}
+    out = y if padded is None else ops.unpad_groups(y, padded)
+    return {"out": out, "xp": xp, "offs": offs, "padded": padded, "h1": h1, "a": a, "h3": h3, "h": h}
 
 
 def input_grad(v: Variant, s: dict, dy: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor) -> dict:
     """The input gradient as autograd runs it (unpad's and SwiGLU's backward, the grouped GEMM op on
     ``(dy, w^T)``); returns ``dx`` and what the weight gradients read."""
-    index, offs = s["index"], s["offs"]
-    if index is not None:  # index_select's backward
-        dy = dy.new_zeros(s["xp"].shape[0], dy.shape[1]).index_add_(0, index, dy)
+    padded, offs = s["padded"], s["offs"]
+    if padded is not None:  # unpad's backward: index_copy's, a gather
+        dy = F.pad(dy, (0, 0, 0, 1)).index_select(0, padded.source)
     dy = dy.contiguous()
     dh = v.mm(dy, w2.transpose(-1, -2), offs)
     dh3 = (dh * s["a"]).contiguous()  # mul's backward, then SiLU's (what autograd runs)
     dh1 = torch.ops.aten.silu_backward(dh * s["h3"], s["h1"]).contiguous()
     dxp = v.mm(dh1, w1.transpose(-1, -2), offs) + v.mm(dh3, w3.transpose(-1, -2), offs)
-    dx = dxp if index is None else dxp.index_select(0, index)  # index_copy's backward (pad_groups)
+    dx = dxp if padded is None else dxp.index_select(0, padded.index)  # index_copy's backward (pad_groups)
     return {"dx": dx, "dyp": dy, "dh1": dh1, "dh3": dh3}
 
 
@@ -360,7 +360,7 @@ def _fp8_extra_blocks(log: list, s: dict, g: dict, x: torch.Tensor, counts: torc
     backward), and ``grouped_mm_wgrad``'s row pad and its ``torch.where`` on empty groups."""
     wgrads = [args for name, _, args, _ in log if name == "grouped_mm_wgrad"]
     align = fp8_gemm.ALIGN
-    xp, index, offs, dyp = s["xp"], s["index"], s["offs"], g["dyp"]
+    xp, padded, offs, dyp = s["xp"], s["padded"], s["offs"], g["dyp"]
     out = []
 
     def add(block: str, args: str, calls: int, fn: Callable[[], object], on_path: bool = True) -> None:
@@ -368,9 +368,10 @@ def _fp8_extra_blocks(log: list, s: dict, g: dict, x: torch.Tensor, counts: torc
                     "us": round(timer(fn), 2)} | ({} if on_path else {"on_path": False}))
 
     add("pad_groups", f"{_sig(x)} -> {_sig(xp)}", 1, lambda: ops.pad_groups(x, counts, align))
-    add("unpad index_select", f"{_sig(xp)} -> {_sig(x)}", 2, lambda: xp.index_select(0, index))  # out, dx
-    add("unpad backward index_add", f"{_sig(x)} -> {_sig(xp)}", 1,
-        lambda: dyp.new_zeros(dyp.shape).index_add_(0, index, x))
+    add("unpad", f"{_sig(xp)} -> {_sig(x)}", 1, lambda: ops.unpad_groups(xp, padded))
+    add("pad backward index_select", f"{_sig(xp)} -> {_sig(x)}", 1, lambda: xp.index_select(0, padded.index))
+    add("unpad backward index_select", f"{_sig(x)} -> {_sig(xp)}", 1,
+        lambda: F.pad(x, (0, 0, 0, 1)).index_select(0, padded.source))
     # grouped_mm_wgrad's pad: runs where the rows are no multiple of 16 (else timed as it would be)
     padded = [a for a in wgrads if a[0].shape[0] % align]
     rows = xp.shape[0] if xp.shape[0] % align else xp.shape[0] - align // 2
