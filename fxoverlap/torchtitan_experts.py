@@ -64,13 +64,14 @@ def seam_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _groups_fill_rows(model: nn.Module, name: str) -> bool:
     """Whether the experts at ``name`` get exactly their groups' rows: their sibling dispatcher
-    (torchtitan's ``RoutedExperts``) is the local or the all-to-all one. A capacity dispatcher
-    (DeepEP, HybridEP, ...) or an unknown caller may hand rows past the groups (``ops.pad_groups``'
-    tail), which the padding must then carry along."""
+    (torchtitan's ``RoutedExperts``) is the local or the all-to-all one, exactly (a subclass such
+    as ``TorchAOTokenDispatcher`` pads the groups itself, within a row bound). Any other
+    dispatcher (DeepEP, HybridEP, ...) or caller may hand rows past the groups, which the padding
+    then carries along (``ops.pad_groups(tail=True)``; such layers are not cut into chunks)."""
     dispatchers = sys.modules["torchtitan.models.common.token_dispatcher"]
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     d = getattr(parent, "token_dispatcher", None)
-    return type(d) is dispatchers.LocalTokenDispatcher or isinstance(d, dispatchers.AllToAllTokenDispatcher)
+    return type(d) in (dispatchers.LocalTokenDispatcher, dispatchers.AllToAllTokenDispatcher)
 
 
 def _grouped_mm(*, A, B_t, offs):  # torchtitan's seam signature: A[R, D] @ B_t[e] per expert group
