@@ -356,9 +356,10 @@ def pad_groups(x: torch.Tensor, tokens_per_expert: torch.Tensor, align: int, tai
     """Rows of ``x`` (grouped by expert, ``tokens_per_expert[G]`` rows each) laid out so that each
     group starts at a multiple of ``align`` rows. No host read: the padded row count is the bound
     ``R + G * (align - 1)`` (the rows past the last group are zeros no group reads), and the rows
-    move by one scatter each way (a copy: the values are exact; each one's gradient a gather). ``tail``: ``x`` may have rows past
-    its groups (a capacity dispatcher's, e.g. torchtitan's HybridEP); they keep their order after
-    the padded groups. Without it the groups must fill ``x`` (what ``passes/chunk`` recognises)."""
+    move by one scatter each way (a copy: the values are exact; each one's gradient a gather).
+    ``tail``: ``x`` may have rows past its groups (a capacity dispatcher's, e.g. torchtitan's
+    HybridEP); they keep their order after the padded groups. Without it the groups must fill
+    ``x`` (what ``passes/chunk`` recognises)."""
     rows, groups = x.shape[0], tokens_per_expert.shape[0]
     counts = tokens_per_expert.to(torch.int64)
     padded = (counts + align - 1) // align * align

@@ -177,3 +177,22 @@ def test_gpt_oss_experts_padded_through_the_seam(monkeypatch, tail):
                      *(p.grad for p in routed.inner_experts.parameters())])
     assert "forward" not in vars(routed.inner_experts) and "_grouped_mm" not in vars(routed.inner_experts)
     assert len(runs[0]) == 6 and all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_fp8_refuses_experts_already_quantized_by_torchtitan():
+    """A GroupedExperts whose class replaced the seam (what torchtitan's Float8/MXFP8 converters
+    build): one quantizer at a time, named, and nothing left patched."""
+    import torch.nn as nn
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from fxoverlap import Fp8ExpertError, torchtitan_experts
+
+    class Float8Experts(GroupedExperts):
+        def _grouped_mm(self, *, A, B_t, offs):
+            return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
+
+    model = nn.Sequential(Float8Experts(Float8Experts.Config(dim=32, hidden_dim=16, num_experts=4)))
+    with pytest.raises(Fp8ExpertError, match=r"0 \(.*Float8Experts\) already runs its own _grouped_mm"):
+        with torchtitan_experts.fxoverlap_gemms(model):
+            pass
+    assert "forward" not in vars(model[0]) and "_grouped_mm" not in vars(model[0])
