@@ -183,6 +183,29 @@ def _wgrad_part(nodes: list[torch.fx.Node], output: torch.fx.Node) -> list[torch
     return [n for n in nodes if n in wgrad] if any(computes(n) for n in wgrad) else []
 
 
+def _wgrad_cut(tags: list[Tag], groups: dict[Tag, list[torch.fx.Node]], together: list[torch.fx.Node],
+               output: torch.fx.Node) -> dict[Tag, list[torch.fx.Node]]:
+    """Per tag of one layer's backward stages, the nodes its ``_wgrad`` part takes. A tag whose
+    share is only views keeps it (not worth a stage), so a node of another tag's part that feeds
+    it must stay too (a main part never reads a wgrad part: a ZeroBubble pipeline schedule runs
+    every wgrad part after every main one): repeated until nothing more stays."""
+    wset = set(_wgrad_part(together, output))
+    while True:
+        cut = {}
+        for t in tags:
+            w = [n for n in groups[t] if n in wset]
+            if w and len(w) < len(groups[t]) and any(computes(n) for n in w):
+                cut[t] = w
+        taken = {n for w in cut.values() for n in w}
+        kept: set[torch.fx.Node] = set()
+        for n in reversed(together):  # users before the nodes they read
+            if n in taken and all(u in kept or u is output for u in n.users):
+                kept.add(n)
+        if kept == wset:
+            return cut
+        wset = kept
+
+
 def launches_kernel(gm: torch.fx.GraphModule) -> bool:
     """Whether the graph computes anything (not only views and metadata ops)."""
     return any(computes(n) for n in gm.graph.nodes)
@@ -237,13 +260,9 @@ def split(gm: torch.fx.GraphModule, num_layers: int, delay_wgrad: bool = False,
                 kin.setdefault(t.layer, []).append(t)
         for tags in kin.values():
             together = sorted((n for t in tags for n in groups[t]), key=order.get)
-            wset = set(_wgrad_part(together, output))
-            for t in tags:
-                nodes = groups[t]
-                w = [n for n in nodes if n in wset]
-                if w and len(w) < len(nodes) and any(computes(n) for n in w):
-                    groups[t] = [n for n in nodes if n not in wset]
-                    groups[t.with_part(Part.WGRAD)] = w
+            for t, w in _wgrad_cut(tags, groups, together, output).items():
+                groups[t] = [n for n in groups[t] if n not in w]
+                groups[t.with_part(Part.WGRAD)] = w
     _keep_results_with_their_op(groups)
     _keep_passing_views_with_their_input(groups)
     group_of = {n: t for t, nodes in groups.items() for n in nodes}
