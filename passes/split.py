@@ -23,7 +23,7 @@ outputs) becomes a stage of its own, part ``WGRAD`` (``<name>_wgrad``), so the
 schedule can run it where it fills a comm slot. A layer's stages are cut together
 (its chunks, its attn and experts), so a weight gradient that reaches its output through
 another of the layer's stages (the chunks' sum; the cast back of a weight cast in the
-forward's attn stage) is still in its part.
+forward's attn stage) is still in its part; a main part never reads a wgrad part.
 
 Steps
 -----
