@@ -46,8 +46,8 @@ def _grouped_experts_class() -> type | None:
 
 def seam_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every torchtitan ``GroupedExperts`` in ``model`` (subclasses too).
-    Raises :class:`Fp8ExpertError` for one whose class already replaced the seam (torchtitan's
-    own Float8/MXFP8 converters): its GEMMs are someone else's low-precision ones."""
+    Raises :class:`Fp8ExpertError` for one whose seam is already replaced, by its class
+    (torchtitan's own Float8/MXFP8 converters) or on the instance: its GEMMs are someone else's."""
     base = _grouped_experts_class()
     if base is None:
         return []
@@ -59,6 +59,11 @@ def seam_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 f"{_SEAM} (torchtitan's Float8/MXFP8 grouped-experts converter?), so fxoverlap cannot put its FP8 "
                 f"GEMMs there. Build the model without torchtitan's MoE quantization converter and let fxoverlap "
                 f"quantize, or keep torchtitan's and leave expert_dtype=None")
+        if _SEAM in vars(m):
+            raise Fp8ExpertError(
+                f"OverlapConfig(expert_dtype='fp8_rowwise'): a {type(m).__qualname__} instance has its own {_SEAM} "
+                f"attribute; fxoverlap runs torchtitan's experts through their class's {_SEAM} seam. Remove the "
+                f"instance attribute or leave expert_dtype=None")
     return found
 
 
@@ -83,12 +88,6 @@ def fxoverlap_gemms(model: nn.Module) -> Iterator[list[str]]:
     """Run ``model``'s torchtitan experts through ``ops.grouped_mm`` with padded row groups while
     active (yields their names; empty for a model without them)."""
     found = seam_modules(model)
-    for _, m in found:
-        if _SEAM in vars(m):  # an instance override of the seam: someone else's GEMMs
-            raise Fp8ExpertError(
-                f"OverlapConfig(expert_dtype='fp8_rowwise'): a {type(m).__qualname__} instance has its own {_SEAM} "
-                f"attribute; fxoverlap runs torchtitan's experts through their class's {_SEAM} seam. Remove the "
-                f"instance attribute or leave expert_dtype=None")
     # torchtitan's parallelize() sets an instance forward (its input/output redistribution): it is
     # wrapped as found and put back as found
     saved = [vars(m).get("forward") for _, m in found]
