@@ -477,6 +477,7 @@ def test_hf_real_rows_carry_chunks_nolink_and_forward_modes(tmp_path, capsys):
         ("compile", None, None), ("backend", 0.1, True), ("backend", 0.1, False)]
     assert hf_gpu.row_command("olmoe", "optimize", 3) == [sys.executable, "-m", "fxoverlap.bench", "hf", "--one",
                                                           "olmoe", "optimize", "--iters", "3"]  # as before
+    assert hf_gpu.row_command("olmoe", "backend", 3, chunks=1, gbps=45)[-4:] == ["--gbps", "45", "--chunks", "1"]
     with pytest.raises(SystemExit, match="unknown mode 'fwd'"):
         commands.main(["hf", "--real", "--out", str(tmp_path), "--modes", "fwd"])
     with pytest.raises(hf_gpu.BenchCommandError, match="torch.compile's own"):
@@ -500,16 +501,23 @@ def test_hf_real_rows_carry_chunks_nolink_and_forward_modes(tmp_path, capsys):
         mp.setattr(os, "_exit", fake_exit)
         with pytest.raises(Exited):  # the row process (what main_real starts)
             commands.main(["hf", "--one", "deepseek_v3", "backend_forward", "--iters", "2", "--chunks", "4", "--nolink"])
-        assert seen.pop() == ("deepseek_v3", "backend_forward", 2, None, dict(chunks=4, link=False))
+        assert seen.pop() == ("deepseek_v3", "backend_forward", 2, None, dict(chunks=4, link=False, gbps=100.0))
         assert '"chunks": 4' in capsys.readouterr().out
         with pytest.raises(Exited):  # no flags: the defaults, as before
             commands.main(["hf", "--one", "qwen3_moe", "optimize"])
-        assert seen.pop() == ("qwen3_moe", "optimize", 3, None, dict(chunks=None, link=True))
+        assert seen.pop() == ("qwen3_moe", "optimize", 3, None, dict(chunks=None, link=True, gbps=100.0))
+        with pytest.raises(Exited):  # another link speed
+            commands.main(["hf", "--one", "qwen3_moe", "compile", "--gbps", "45"])
+        assert seen.pop()[4] == dict(chunks=None, link=True, gbps=45.0)
         with pytest.raises(Exited):
             hf_timeline.main(["--model", "qwen3_moe", "--mode", "backend", "--chunks", "3", "--nolink",
                               "--out", str(tmp_path / "tl")])
         name, mode, _, _, kw = seen.pop()
         assert (name, mode, kw["chunks"], kw["link"], callable(kw["timed"])) == ("qwen3_moe", "backend", 3, False, True)
         assert json.loads((tmp_path / "tl" / "rows.jsonl").read_text())["tag"] == "qwen3_moe_backend_c3_nolink"
+        with pytest.raises(Exited):
+            hf_timeline.main(["--model", "qwen3_moe", "--mode", "compile", "--gbps", "45", "--out", str(tmp_path / "tl45")])
+        assert seen.pop()[4]["gbps"] == 45.0
+        assert json.loads((tmp_path / "tl45" / "rows.jsonl").read_text())["tag"] == "qwen3_moe_compile_45GBps"
         with pytest.raises(SystemExit):  # chunks are fxoverlap's: not for torch.compile's row
             hf_timeline.main(["--model", "qwen3_moe", "--mode", "compile", "--chunks", "2"])

@@ -180,13 +180,14 @@ def _timed(fn, iters: int) -> tuple[float, list[float], object]:
 
 
 def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = None, chunks: int | None = None,
-                 link: bool = True, timed: Callable | None = None) -> dict:
+                 link: bool = True, timed: Callable | None = None, gbps: float = GBPS) -> dict:
     """One (model, mode) in this process: eager reference, then the mode; see the module docstring.
     ``stage_options``: Inductor options for fxoverlap's compiled stages (``OverlapConfig.compile_options``,
     the backend's ``options``), e.g. ``{"cpp_wrapper": True}``; ``torch.compile``'s row keeps its defaults.
     ``chunks``: ``OverlapConfig(chunks=K)`` (``optimize``, ``forward_only``) or the backend's
     ``options={"chunks": K}`` (``backend``, ``backend_forward``); None: the default (CUDA: 2).
-    ``link``: False, the emulated group holds nothing (the EP-N rank's compute only).
+    ``link``: False, the emulated group holds nothing (the EP-N rank's compute only); ``gbps``: the
+    emulated link's speed otherwise.
     ``timed``: how the mode's steps are timed (default :func:`_timed`; ``hf-timeline`` profiles in it)."""
     from fxoverlap.kernels import emulated_link
 
@@ -202,11 +203,11 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
     os.environ.setdefault("MASTER_PORT", "29556")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
     _, ep, experts, _ = REAL[name]
-    emulated = emulated_link.Link(GBPS, ep=ep, experts=experts, name=f"{GBPS:g}GB/s") if link else None
+    emulated = emulated_link.Link(gbps, ep=ep, experts=experts, name=f"{gbps:g}GB/s") if link else None
     group = emulated_link.EmulatedGroup(emulated)  # the EP group: one rank here, every exchange holds as EP-N's
     row = dict(model=name, mode=mode, chunks=chunks, layers=LAYERS, stage_options=stage_options or {},
                tokens=f"{N_MB} x 1 x {SEQ}", dtype="bfloat16",
-               link=f"emulated EP {ep}, {GBPS:g} GB/s" if link else f"emulated EP {ep}, none (holds nothing)",
+               link=f"emulated EP {ep}, {gbps:g} GB/s" if link else f"emulated EP {ep}, none (holds nothing)",
                torch=torch.__version__)
     config = fxoverlap.OverlapConfig(compile_options=stage_options, chunks=chunks)
     if mode not in COMPILE_MODES_REAL:
@@ -312,9 +313,11 @@ def _chunk_list(text: str | None) -> list[int | None]:
     return ks
 
 
-def row_command(name: str, mode: str, iters: int, chunks: int | None = None, link: bool = True) -> list[str]:
+def row_command(name: str, mode: str, iters: int, chunks: int | None = None, link: bool = True,
+                gbps: float = GBPS) -> list[str]:
     """The command of one (model, mode[, chunks]) process of ``bench hf --real``."""
     return self_command("hf", "--one", name, mode, "--iters", str(iters),
+                        *(() if gbps == GBPS else ("--gbps", f"{gbps:g}")),
                         *(() if chunks is None else ("--chunks", str(chunks))), *(() if link else ("--nolink",)))
 
 
@@ -345,9 +348,10 @@ def main_real(args) -> None:
                     if left < 20:
                         row = dict(ident, skipped=f"total budget of {args.budget} s spent")
                     else:
-                        tag = f"{name}_{mode}" + ("" if chunks is None else f"_c{chunks}") + ("" if link else "_nolink")
+                        tag = (f"{name}_{mode}" + ("" if chunks is None else f"_c{chunks}")
+                               + ("_nolink" if not link else "" if args.gbps == GBPS else f"_{args.gbps:g}GBps"))
                         log = os.path.join(out_dir, f"{tag}.log")
-                        cmd = row_command(name, mode, args.iters, chunks, link)
+                        cmd = row_command(name, mode, args.iters, chunks, link, args.gbps)
                         try:
                             with open(log, "w") as f:
                                 proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
@@ -387,6 +391,7 @@ def cli() -> None:
                     "(OverlapConfig(chunks=K), the backend's options={'chunks': K}); torch.compile's rows run once. "
                     "Default: the config's default (CUDA: 2)")
     ap.add_argument("--nolink", action="store_true", help="the emulated group holds nothing (the EP-N rank's compute only)")
+    ap.add_argument("--gbps", type=float, default=GBPS, help="the emulated link's speed, GB/s (default %(default)g)")
     ap.add_argument("--iters", type=int, default=3, help="timed steps after the first")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per (model, mode) process")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run; later rows are skipped")
@@ -397,7 +402,7 @@ def cli() -> None:
         if len(chunks) != 1:
             ap.error(f"--one runs one row: one --chunks value, got {args.chunks!r}")
         try:
-            row = run_real_one(*args.one, args.iters, chunks=chunks[0], link=not args.nolink)
+            row = run_real_one(*args.one, args.iters, chunks=chunks[0], link=not args.nolink, gbps=args.gbps)
         except Exception as e:  # noqa: BLE001 -- reported as the row
             row = dict(model=args.one[0], mode=args.one[1], chunks=chunks[0], error=f"{type(e).__name__}: {e}"[:600],
                        trace=traceback.format_exc()[-1500:])

@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--nolink", action="store_true", help="the emulated group holds nothing")
+    ap.add_argument("--gbps", type=float, default=h.GBPS, help="the emulated link's speed, GB/s (default %(default)g)")
     ap.add_argument("--chunks", type=int, help="OverlapConfig(chunks=K) / the backend's options={'chunks': K} "
                     "(not for torch.compile's modes); default: the config's (CUDA: 2)")
     ap.add_argument("--deep", action="store_true", help="cProfile of one step; idle gaps charged to ops")
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         key, _, value = kv.partition("=")
         stage_options[key] = {"1": True, "true": True, "0": False, "false": False}.get(value.lower(), value)
     tag = (f"{args.model}_{args.mode}{'' if args.chunks is None else f'_c{args.chunks}'}"
-           f"{'_nolink' if args.nolink else ''}" + "".join(f"_{k}" for k, v in stage_options.items() if v))
+           f"{'_nolink' if args.nolink else '' if args.gbps == h.GBPS else f'_{args.gbps:g}GBps'}" + "".join(f"_{k}" for k, v in stage_options.items() if v))
     timed = h._timed
 
     def timed_with_profile(fn, iters):
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         return first, times, last
 
     row = h.run_real_one(args.model, args.mode, args.iters, stage_options, chunks=args.chunks,
-                         link=not args.nolink, timed=timed_with_profile)
+                         link=not args.nolink, timed=timed_with_profile, gbps=args.gbps)
     row["tag"] = tag
     print("RESULT " + json.dumps(row), flush=True)
     with open(os.path.join(args.out, "rows.jsonl"), "a") as f:
