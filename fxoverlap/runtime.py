@@ -219,8 +219,11 @@ def accumulate_into(model: nn.Module | NamedTensors, capture: Capture, post_hook
             held[fqn] = g.detach() if fqn not in held else held[fqn].add_(g)
             return
         p, path = by_value[name]
-        # graph memory is overwritten at the next replay: p.grad must not alias it (nor p)
-        if graph_memory or g.data_ptr() == (p if path is None else inner_value(p, path)).data_ptr():
+        # graph memory is overwritten at the next replay: p.grad must not alias it (nor p). Where
+        # p.grad exists and no hook sees g, add() reads g once, in stream order before any replay:
+        # no copy needed (the clone would only be added and dropped)
+        in_place = path is None and p.grad is not None and not p._backward_hooks
+        if (graph_memory and not in_place) or g.data_ptr() == (p if path is None else inner_value(p, path)).data_ptr():
             g = g.detach().clone()
         if path is None:
             add(p, g.detach())

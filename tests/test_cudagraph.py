@@ -363,6 +363,59 @@ def test_replay_logic_bitwise(fake_cuda, routing, n):
     assert sg.summary()["graphs"] == 0
 
 
+def test_gradients_from_graph_memory_are_cloned_only_into_an_empty_grad(fake_cuda):
+    """A graphed stage's parameter gradient lives in graph memory, which the next replay
+    overwrites: the first microbatch's is cloned into ``p.grad``, later microbatches add
+    from graph memory in place (no clone per microbatch); a parameter with a tensor hook
+    (which may keep what it sees) still gets a clone every microbatch. Bitwise eager's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n = 3
+    mbs = _batches(n, 256, seed=n)
+    model = _model("capacity")
+    _, ref_losses, ref_grads = _reference("capacity", mbs)
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
+    engine.forward_backward(mbs)  # captures
+    model.zero_grad(set_to_none=True)
+    graph_storages = {o.untyped_storage().data_ptr() for g in fake_cuda.graphs for o in g.outs
+                      if isinstance(o, torch.Tensor)}
+
+    class CountClones(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes: list[tuple] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.clone.default and args[0].untyped_storage().data_ptr() in graph_storages:
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    def step():
+        with CountClones() as counter:
+            losses = engine.forward_backward(mbs)
+        grads = _grads(model)
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+        assert not [k for k in grads if not torch.equal(grads[k], ref_grads[k])]
+        return counter.shapes
+
+    clones = step()
+    graph_grads = [p for p in model.parameters()
+                   if any(tuple(p.shape) == sh for sh in clones)]
+    assert graph_grads, "no parameter gradient came from graph memory: the test checks nothing"
+    for sh, k in {sh: clones.count(sh) for sh in set(clones)}.items():
+        if sh != ():  # the losses are outputs: cloned per microbatch, as before
+            owners = sum(1 for p in model.parameters() if tuple(p.shape) == sh)
+            assert k <= owners, (sh, k, owners)  # once per parameter, not once per microbatch
+    hooked = graph_grads[0]
+    seen = []
+    hooked.register_hook(lambda g: seen.append(g) or None)
+    clones = step()
+    assert len(seen) == n
+    assert all(g.untyped_storage().data_ptr() not in graph_storages for g in seen)
+    assert clones.count(tuple(hooked.shape)) >= n
+    engine.close()
+
+
 def test_one_copy_would_corrupt(fake_cuda, monkeypatch):
     """With a single copy per stage, F(i+1) overwrites what B(i) still needs."""
     mbs = _batches(3, 256, seed=7)
