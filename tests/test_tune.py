@@ -298,3 +298,35 @@ def test_stage_profile_is_a_warm_run():
     res = tune_with_report(model, None, mbs, config=fxoverlap.OverlapConfig(progress=False), timer=Timer(),
                            candidates=[Candidate()], cache=False, iters=1)
     assert res.stage_ms and set(res.stage_ms.values()) == {1.0}, res.stage_ms
+
+
+def test_a_candidate_replaces_the_defaults_only_beyond_noise():
+    """The fastest candidate is chosen only where it beats the defaults (the first candidate) by
+    at least KEEP_DEFAULTS_MARGIN; within it the defaults stay (the peer's H200 tune picked a
+    setting 0.1 % from the defaults). With the defaults untimed, the fastest as before."""
+    from fxoverlap.tune.search import KEEP_DEFAULTS_MARGIN, choose
+
+    d, a, b = Candidate(), Candidate(sm_carveout=8), Candidate(chunks=2)
+    cands = [d, a, b]
+    assert choose({d: 100.0, a: 99.5, b: 99.9}, cands) == d
+    assert choose({d: 100.0, a: 100.0 * (1 - 2 * KEEP_DEFAULTS_MARGIN), b: 99.9}, cands) == a
+    assert choose({d: 100.0, a: 97.0, b: 97.0}, cands) == a  # a tie: the earlier candidate
+    assert choose({a: 5.0, b: 4.0}, cands) == b
+    assert choose({d: 100.0, a: 101.0}, cands) == d
+
+
+def test_bench_tune_verdicts_hold_by_identity_and_compare_otherwise():
+    """bench tune's checks: a choice that is the defaults' (or the sweep's) setting passes its
+    check however its re-timings differ (the H200's DeepSeek row: one setting re-timed 65.5 and
+    67.8 ms); another setting is judged by the re-timed ratio."""
+    from fxoverlap.bench.gpu_tune import verdicts
+
+    d, other = Candidate(), Candidate(sm_carveout=8)
+    row = {"defaults_ms": 65.47, "tuned_ms": 67.80, "sweep_best_ms": 65.67}
+    v = verdicts(row, d, d, d)
+    assert v["tuned_is_defaults"] and v["not_slower_than_defaults"] and v["within_2pct"]
+    assert round(v["tuned_vs_defaults"], 3) == 1.036
+    v = verdicts(row, other, d, d)
+    assert not v["not_slower_than_defaults"] and not v["within_2pct"] and not v["tuned_is_sweep_choice"]
+    v = verdicts({"defaults_ms": 450.0, "tuned_ms": 449.0, "sweep_best_ms": 445.0}, other, d, None)
+    assert v["not_slower_than_defaults"] and "within_2pct" not in v

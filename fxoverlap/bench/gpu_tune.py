@@ -105,6 +105,20 @@ def time_config(model, group, mbs, loss_fn, cfg, timer, warmup: int, iters: int)
     return ms
 
 
+def verdicts(row: dict, tuned: Candidate, defaults: Candidate, sweep: Candidate | None) -> dict:
+    """The issue's checks on a row's re-timed steps (``*_ms``). Where the tuned choice *is* the
+    defaults or the sweep's choice, the check holds by identity: re-timing one setting in a fresh
+    engine spreads by a few per cent (3.5 % measured on the H200), which a ratio of two re-timings
+    would report as a difference."""
+    out = {"tuned_is_defaults": tuned == defaults, "tuned_vs_defaults": row["tuned_ms"] / row["defaults_ms"]}
+    out["not_slower_than_defaults"] = out["tuned_is_defaults"] or out["tuned_vs_defaults"] <= 1.0
+    if sweep is not None:
+        out["tuned_is_sweep_choice"] = tuned == sweep
+        out["tuned_vs_sweep_best"] = row["tuned_ms"] / row["sweep_best_ms"]
+        out["within_2pct"] = out["tuned_is_sweep_choice"] or out["tuned_vs_sweep_best"] <= 1.02
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m fxoverlap.bench tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", help="peer (the Megatron peer's shape) and/or bench hf --real's names (qwen3_moe, "
@@ -164,11 +178,8 @@ def main() -> None:
                 row["sweep_choice"] = sweep.choice.fields()
             for what, c in configs.items():
                 row[f"{what}_ms"] = time_config(model, group, mbs, loss_fn, c, timer, a.warmup, a.iters)
-            row["tuned_vs_defaults"] = row["tuned_ms"] / row["defaults_ms"]
-            if sweep is not None:
-                row["tuned_vs_sweep_best"] = row["tuned_ms"] / row["sweep_best_ms"]
-                row["within_2pct"] = row["tuned_vs_sweep_best"] <= 1.02
-            row["not_slower_than_defaults"] = row["tuned_ms"] <= row["defaults_ms"]
+            defaults = Candidate(**{k: tuned.table[0][k] for k in tuned.choice.fields()})  # tune's first row
+            row.update(verdicts(row, tuned.choice, defaults, None if sweep is None else sweep.choice))
             row["cost_within_budget"] = tuned.seconds <= a.budget
             with open(path, "a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
