@@ -15,7 +15,9 @@ and ``pip install --no-deps`` it there first. Parts (each adds its key to the JS
    with Inductor stages, beside bf16's Inductor-against-eager difference for scale; and per
    experts stage (each MoE layer's experts on the inputs the model gave them, and at the
    Qwen3-30B-A3B layer shape) FP8 against bf16: SQNR of the output >= 23 dB, input gradient >= 29,
-   weight gradients >= 21 (torchao's thresholds).
+   weight gradients >= 21; and torchao's own MoE-layer check in its test's geometry
+   (:func:`moe_layer_sqnr`: output and ``x.grad`` >= 29 dB, parameter gradients >= 23, with the
+   bf16 shared expert its test has, and without one).
 3. ``speed``: the Qwen3-30B-A3B layer shape (dim 2048, 128 experts top-8, expert dim 768), emulated
    EP 8, without a link and over 100 GB/s: ``python -m fxoverlap.bench run`` rows (one process
    each) for bf16, FP8 and torchao's FP8 under torch.compile (the baseline): the experts stages'
@@ -159,6 +161,49 @@ def _experts_sqnr(experts: torch.nn.Module, x: torch.Tensor, counts: torch.Tenso
     return res
 
 
+#: torchao 0.18's own FP8-rowwise MoE test (test/prototype/moe_training, test_moe_training_fsdp):
+#: SQNR of the MoE layer's output and ``x.grad`` >= 29 dB, of every parameter's gradient >= 23,
+#: on torchtitan's ``MoE(MoEArgs(num_experts=8), dim, 4 * dim)``: top-1 of 8 routed experts beside
+#: one bf16 shared expert of width 4·dim, router and shared expert left in bf16.
+TORCHAO_MOE_THRESHOLDS = {"out": 29.0, "dx": 29.0, "param": 23.0}
+
+
+def moe_layer_sqnr(device: str | torch.device, dim: int = 512, tokens: int = 2048, shared: bool = True,
+                   seed: int = 42) -> dict:
+    """torchao's MoE-layer check with fxoverlap's FP8 experts: the reference model's ``MoE`` in
+    torchao's test geometry (8 experts top-1, expert width 4·dim, a shared expert of 4·dim unless
+    ``shared=False``), weights N(0, 0.02) in bf16, MSE loss against ones; FP8 experts
+    (``expert_math("fp8_rowwise")``) against bf16: SQNR of the output, of ``x.grad`` and the lowest
+    of the parameters' gradients (dB). Runs on CPU with the reference FP8 math (the quantized
+    bytes equal the CUDA kernels', ``kernels`` part) or on CUDA."""
+    import torch.nn.functional as F
+
+    from fxoverlap.models.moe import MoE
+
+    torch.manual_seed(seed)
+    cfg = MoEConfig.tiny(dim=dim, n_experts=8, top_k=1, expert_dim=4 * dim, shared_expert_dim=4 * dim if shared else 0)
+    ref = MoE(cfg, None).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.02)
+    x0 = torch.randn(tokens // 256, 256, dim, device=device, dtype=torch.bfloat16)
+    runs = []
+    for dtype in (None, "fp8_rowwise"):
+        m = copy.deepcopy(ref)
+        x = x0.clone().requires_grad_(True)
+        with fp8_ops.expert_math(dtype):
+            out = m(x)
+        out = out[0] if isinstance(out, tuple) else out
+        F.mse_loss(out, torch.ones_like(out)).backward()
+        runs.append((out.detach(), x.grad, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (y0, dx0, g0), (y1, dx1, g1) = runs
+    params = {n: sqnr(g0[n], g1[n]) for n in g0}
+    res = {"shared_expert": shared, "dim": dim, "tokens": tokens, "out": sqnr(y0, y1), "dx": sqnr(dx0, dx1),
+           "param": min(params.values()), "worst_param": min(params, key=params.get)}
+    res["ok"] = all(res[k] >= t for k, t in TORCHAO_MOE_THRESHOLDS.items())
+    return res
+
+
 def numerics() -> dict:
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -241,6 +286,8 @@ def numerics() -> dict:
                                                  counts, torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16))
     out["per_experts_stage_sqnr_db"] = per_stage
     out["thresholds_db"] = THRESHOLDS
+    # torchao's own threshold check, in its test's geometry (with its bf16 shared expert, and without)
+    out["torchao_moe_layer_sqnr_db"] = [moe_layer_sqnr(dev, dim=1024, tokens=8192, shared=s) for s in (True, False)]
     return out
 
 
