@@ -478,6 +478,10 @@ def test_hf_real_rows_carry_chunks_nolink_and_forward_modes(tmp_path, capsys):
     assert hf_gpu.row_command("olmoe", "optimize", 3) == [sys.executable, "-m", "fxoverlap.bench", "hf", "--one",
                                                           "olmoe", "optimize", "--iters", "3"]  # as before
     assert hf_gpu.row_command("olmoe", "backend", 3, chunks=1, gbps=45)[-4:] == ["--gbps", "45", "--chunks", "1"]
+    assert hf_gpu.row_command("olmoe", "backend", 3, overlap_options=["cuda_graphs=0"])[-2:] == [
+        "--overlap-option", "cuda_graphs=0"]
+    with pytest.raises(hf_gpu.BenchCommandError, match="torch.compile's own"):
+        hf_gpu.run_real_one("qwen3_moe", "compile", 1, overlap_options={"cuda_graphs": False})
     with pytest.raises(SystemExit, match="unknown mode 'fwd'"):
         commands.main(["hf", "--real", "--out", str(tmp_path), "--modes", "fwd"])
     with pytest.raises(hf_gpu.BenchCommandError, match="torch.compile's own"):
@@ -501,14 +505,18 @@ def test_hf_real_rows_carry_chunks_nolink_and_forward_modes(tmp_path, capsys):
         mp.setattr(os, "_exit", fake_exit)
         with pytest.raises(Exited):  # the row process (what main_real starts)
             commands.main(["hf", "--one", "deepseek_v3", "backend_forward", "--iters", "2", "--chunks", "4", "--nolink"])
-        assert seen.pop() == ("deepseek_v3", "backend_forward", 2, None, dict(chunks=4, link=False, gbps=100.0))
+        assert seen.pop() == ("deepseek_v3", "backend_forward", 2, None, dict(chunks=4, link=False, gbps=100.0, overlap_options={}))
         assert '"chunks": 4' in capsys.readouterr().out
         with pytest.raises(Exited):  # no flags: the defaults, as before
             commands.main(["hf", "--one", "qwen3_moe", "optimize"])
-        assert seen.pop() == ("qwen3_moe", "optimize", 3, None, dict(chunks=None, link=True, gbps=100.0))
+        assert seen.pop() == ("qwen3_moe", "optimize", 3, None, dict(chunks=None, link=True, gbps=100.0, overlap_options={}))
         with pytest.raises(Exited):  # another link speed
             commands.main(["hf", "--one", "qwen3_moe", "compile", "--gbps", "45"])
-        assert seen.pop()[4] == dict(chunks=None, link=True, gbps=45.0)
+        assert seen.pop()[4] == dict(chunks=None, link=True, gbps=45.0, overlap_options={})
+        with pytest.raises(Exited):  # OverlapConfig fields for the fxoverlap rows
+            commands.main(["hf", "--one", "qwen3_moe", "backend", "--overlap-option", "cuda_graphs=0",
+                           "--overlap-option", "sm_carveout=8"])
+        assert seen.pop()[4]["overlap_options"] == {"cuda_graphs": False, "sm_carveout": 8}
         with pytest.raises(Exited):
             hf_timeline.main(["--model", "qwen3_moe", "--mode", "backend", "--chunks", "3", "--nolink",
                               "--out", str(tmp_path / "tl")])

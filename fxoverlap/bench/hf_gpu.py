@@ -180,14 +180,16 @@ def _timed(fn, iters: int) -> tuple[float, list[float], object]:
 
 
 def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = None, chunks: int | None = None,
-                 link: bool = True, timed: Callable | None = None, gbps: float = GBPS) -> dict:
+                 link: bool = True, timed: Callable | None = None, gbps: float = GBPS,
+                 overlap_options: dict | None = None) -> dict:
     """One (model, mode) in this process: eager reference, then the mode; see the module docstring.
     ``stage_options``: Inductor options for fxoverlap's compiled stages (``OverlapConfig.compile_options``,
     the backend's ``options``), e.g. ``{"cpp_wrapper": True}``; ``torch.compile``'s row keeps its defaults.
     ``chunks``: ``OverlapConfig(chunks=K)`` (``optimize``, ``forward_only``) or the backend's
     ``options={"chunks": K}`` (``backend``, ``backend_forward``); None: the default (CUDA: 2).
     ``link``: False, the emulated group holds nothing (the EP-N rank's compute only); ``gbps``: the
-    emulated link's speed otherwise.
+    emulated link's speed otherwise. ``overlap_options``: ``OverlapConfig`` fields for the fxoverlap
+    modes (``optimize``'s config and the backend's ``options``), e.g. ``{"cuda_graphs": False}``.
     ``timed``: how the mode's steps are timed (default :func:`_timed`; ``hf-timeline`` profiles in it)."""
     from fxoverlap.kernels import emulated_link
 
@@ -196,6 +198,10 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
     if chunks is not None and mode in COMPILE_MODES_REAL:
         raise BenchCommandError(f"bench hf --real: chunks={chunks} is an fxoverlap setting; the {mode!r} row is "
                                 "torch.compile's own (leave chunks out for it)")
+    overlap_options = overlap_options or {}
+    if overlap_options and mode in COMPILE_MODES_REAL:
+        raise BenchCommandError(f"bench hf --real: {overlap_options} are fxoverlap settings; the {mode!r} row is "
+                                "torch.compile's own")
     timed = timed or _timed
     forward = mode in FORWARD_MODES_REAL
     fxoverlap.enable_dynamic_output_shapes()  # dropless dispatch stays in torch.compile's graph
@@ -206,13 +212,14 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
     emulated = emulated_link.Link(gbps, ep=ep, experts=experts, name=f"{gbps:g}GB/s") if link else None
     group = emulated_link.EmulatedGroup(emulated)  # the EP group: one rank here, every exchange holds as EP-N's
     row = dict(model=name, mode=mode, chunks=chunks, layers=LAYERS, stage_options=stage_options or {},
+               overlap_options=overlap_options,
                tokens=f"{N_MB} x 1 x {SEQ}", dtype="bfloat16",
                link=f"emulated EP {ep}, {gbps:g} GB/s" if link else f"emulated EP {ep}, none (holds nothing)",
                torch=torch.__version__)
-    config = fxoverlap.OverlapConfig(compile_options=stage_options, chunks=chunks)
+    config = fxoverlap.OverlapConfig(compile_options=stage_options, chunks=chunks, **overlap_options)
     if mode not in COMPILE_MODES_REAL:
         row["chunks_resolved"] = config.resolved_chunks("cuda")
-    backend_options = {**(stage_options or {}), **({} if chunks is None else {"chunks": chunks})}
+    backend_options = {**(stage_options or {}), **({} if chunks is None else {"chunks": chunks}), **overlap_options}
     g = torch.Generator().manual_seed(0)
     mbs = [torch.randint(0, VOCAB_REAL, (1, SEQ), generator=g).cuda() for _ in range(N_MB)]
     model = fxoverlap.expert_parallel(_real_model(name), group)
@@ -313,11 +320,31 @@ def _chunk_list(text: str | None) -> list[int | None]:
     return ks
 
 
+def parse_options(items: list[str]) -> dict:
+    """``KEY=VALUE`` strings as a dict: ``1/true/0/false`` as bools, numbers as numbers."""
+    out = {}
+    for kv in items:
+        key, _, value = kv.partition("=")
+        low = value.lower()
+        if low in ("1", "true", "0", "false"):
+            out[key] = low in ("1", "true")
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    out[key] = value
+    return out
+
+
 def row_command(name: str, mode: str, iters: int, chunks: int | None = None, link: bool = True,
-                gbps: float = GBPS) -> list[str]:
+                gbps: float = GBPS, overlap_options: list[str] = ()) -> list[str]:
     """The command of one (model, mode[, chunks]) process of ``bench hf --real``."""
     return self_command("hf", "--one", name, mode, "--iters", str(iters),
                         *(() if gbps == GBPS else ("--gbps", f"{gbps:g}")),
+                        *(a for kv in overlap_options for a in ("--overlap-option", kv)),
                         *(() if chunks is None else ("--chunks", str(chunks))), *(() if link else ("--nolink",)))
 
 
@@ -350,8 +377,10 @@ def main_real(args) -> None:
                     else:
                         tag = (f"{name}_{mode}" + ("" if chunks is None else f"_c{chunks}")
                                + ("_nolink" if not link else "" if args.gbps == GBPS else f"_{args.gbps:g}GBps"))
+                        opts = [] if mode in COMPILE_MODES_REAL else args.overlap_option
+                        tag += "".join(f"_{kv.replace('=', '')}" for kv in opts)
                         log = os.path.join(out_dir, f"{tag}.log")
-                        cmd = row_command(name, mode, args.iters, chunks, link, args.gbps)
+                        cmd = row_command(name, mode, args.iters, chunks, link, args.gbps, opts)
                         try:
                             with open(log, "w") as f:
                                 proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
@@ -392,6 +421,9 @@ def cli() -> None:
                     "Default: the config's default (CUDA: 2)")
     ap.add_argument("--nolink", action="store_true", help="the emulated group holds nothing (the EP-N rank's compute only)")
     ap.add_argument("--gbps", type=float, default=GBPS, help="the emulated link's speed, GB/s (default %(default)g)")
+    ap.add_argument("--overlap-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an OverlapConfig field for the fxoverlap rows (optimize's config, the backend's options), "
+                         "e.g. cuda_graphs=0; repeatable")
     ap.add_argument("--iters", type=int, default=3, help="timed steps after the first")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per (model, mode) process")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run; later rows are skipped")
@@ -402,7 +434,8 @@ def cli() -> None:
         if len(chunks) != 1:
             ap.error(f"--one runs one row: one --chunks value, got {args.chunks!r}")
         try:
-            row = run_real_one(*args.one, args.iters, chunks=chunks[0], link=not args.nolink, gbps=args.gbps)
+            row = run_real_one(*args.one, args.iters, chunks=chunks[0], link=not args.nolink, gbps=args.gbps,
+                               overlap_options=parse_options(args.overlap_option))
         except Exception as e:  # noqa: BLE001 -- reported as the row
             row = dict(model=args.one[0], mode=args.one[1], chunks=chunks[0], error=f"{type(e).__name__}: {e}"[:600],
                        trace=traceback.format_exc()[-1500:])

@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--nolink", action="store_true", help="the emulated group holds nothing")
+    ap.add_argument("--overlap-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an OverlapConfig field for an fxoverlap mode, e.g. cuda_graphs=0; repeatable")
     ap.add_argument("--gbps", type=float, default=h.GBPS, help="the emulated link's speed, GB/s (default %(default)g)")
     ap.add_argument("--chunks", type=int, help="OverlapConfig(chunks=K) / the backend's options={'chunks': K} "
                     "(not for torch.compile's modes); default: the config's (CUDA: 2)")
@@ -169,12 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.chunks is not None and (args.chunks < 1 or args.mode in h.COMPILE_MODES_REAL):
         ap.error(f"--chunks {args.chunks}: an int >= 1, for an fxoverlap mode (not {', '.join(h.COMPILE_MODES_REAL)})")
     os.makedirs(args.out, exist_ok=True)
-    stage_options = {}
-    for kv in args.stage_option:
-        key, _, value = kv.partition("=")
-        stage_options[key] = {"1": True, "true": True, "0": False, "false": False}.get(value.lower(), value)
+    stage_options = h.parse_options(args.stage_option)
+    overlap_options = h.parse_options(args.overlap_option)
     tag = (f"{args.model}_{args.mode}{'' if args.chunks is None else f'_c{args.chunks}'}"
-           f"{'_nolink' if args.nolink else '' if args.gbps == h.GBPS else f'_{args.gbps:g}GBps'}" + "".join(f"_{k}" for k, v in stage_options.items() if v))
+           f"{'_nolink' if args.nolink else '' if args.gbps == h.GBPS else f'_{args.gbps:g}GBps'}"
+           + "".join(f"_{k}" for k, v in stage_options.items() if v) + "".join(f"_{kv.replace('=', '')}" for kv in args.overlap_option))
     timed = h._timed
 
     def timed_with_profile(fn, iters):
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         return first, times, last
 
     row = h.run_real_one(args.model, args.mode, args.iters, stage_options, chunks=args.chunks,
-                         link=not args.nolink, timed=timed_with_profile, gbps=args.gbps)
+                         link=not args.nolink, timed=timed_with_profile, gbps=args.gbps,
+                         overlap_options=overlap_options)
     row["tag"] = tag
     print("RESULT " + json.dumps(row), flush=True)
     with open(os.path.join(args.out, "rows.jsonl"), "a") as f:
