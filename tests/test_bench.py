@@ -529,3 +529,37 @@ def test_hf_real_rows_carry_chunks_nolink_and_forward_modes(tmp_path, capsys):
         assert json.loads((tmp_path / "tl45" / "rows.jsonl").read_text())["tag"] == "qwen3_moe_compile_45GBps"
         with pytest.raises(SystemExit):  # chunks are fxoverlap's: not for torch.compile's row
             hf_timeline.main(["--model", "qwen3_moe", "--mode", "compile", "--chunks", "2"])
+
+
+def test_hf_timeline_charges_device_copies_to_what_issued_them():
+    """``hf-timeline --deep``'s attribution on kineto-like events: each device copy's GPU time goes
+    to the op and Python frame that issued it (through the launch's correlation id), so a clone
+    off graph memory and a copy into a graph's buffer are told apart; a GPU idle gap goes to the
+    op that launched the next kernel."""
+    import types
+
+    import torch
+
+    from fxoverlap.bench.hf_timeline import attribute_events
+
+    cpu_t, cuda_t = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(kind, name, a, b, corr=0, thread=1):
+        return types.SimpleNamespace(device_type=lambda: kind, name=lambda: name, start_ns=lambda: a,
+                                     end_ns=lambda: b, duration_ns=lambda: b - a, correlation_id=lambda: corr,
+                                     start_thread_id=lambda: thread)
+
+    evs = [ev(cpu_t, "fxoverlap/runtime.py(762): output", 0, 1_000),
+           ev(cpu_t, "aten::clone", 100, 200), ev(cpu_t, "cudaMemcpyAsync", 150, 160, corr=7),
+           ev(cpu_t, "fxoverlap/cudagraphs.py(218): load", 2_000, 3_000),
+           ev(cpu_t, "aten::copy_", 2_100, 2_200), ev(cpu_t, "cudaMemcpyAsync", 2_150, 2_160, corr=8),
+           ev(cpu_t, "aten::mm", 5_000, 5_100), ev(cpu_t, "cudaLaunchKernel", 5_050, 5_060, corr=9),
+           ev(cuda_t, "Memcpy DtoD (Device -> Device)", 10_000, 30_000, corr=7),
+           ev(cuda_t, "Memcpy DtoD (Device -> Device)", 31_000, 35_000, corr=8),
+           ev(cuda_t, "gemm", 100_000, 110_000, corr=9)]
+    out = attribute_events(evs)
+    copies = {k: (c, ms) for k, c, ms in out["copies"]}
+    assert copies == {"aten::clone | fxoverlap/runtime.py(762): output": (1, 0.02),
+                      "aten::copy_ | fxoverlap/cudagraphs.py(218): load": (1, 0.004)}
+    assert out["copies_total_ms"] == 0.024
+    assert out["gaps"] == [["aten::mm | ", 1, 0.065]]  # 35 us -> 100 us idle before the gemm

@@ -8,7 +8,9 @@ the top kernels) as one JSON line in ``OUT/profiles.jsonl`` and the row in ``OUT
 only. ``--chunks K``: ``OverlapConfig(chunks=K)`` / the backend's ``options={"chunks": K}``.
 ``--deep``: also cProfile of one step (the main thread's Python; a CUDA backward runs on autograd's
 device thread, which it does not see) in ``OUT/cprofile_<tag>.txt``, and the GPU's idle gaps and
-host syncs charged to the CPU op that launched the next kernel. Issue 37's breakdown
+host syncs charged to the CPU op that launched the next kernel, and each device copy's GPU time
+charged to the op that issued it (``copies``: a clone off CUDA-graph memory, a copy into a graph's
+static input). Issue 37's breakdown
 (docs/benchmarks.md, 2026-12-04 tenth session) was measured with it.
 """
 import argparse
@@ -106,7 +108,14 @@ def key_of(labels):
 
 
 def attribute(prof) -> dict:
-    evs = prof.profiler.kineto_results.events()
+    """The GPU's idle gaps, the host syncs and the device copies of a profiled step, each charged
+    to the CPU op (and Python frames, with ``with_stack``) that launched it."""
+    return attribute_events(prof.profiler.kineto_results.events())
+
+
+def attribute_events(evs) -> dict:
+    """:func:`attribute` on kineto events (``device_type``, ``name``, ``start_ns``, ``end_ns``,
+    ``duration_ns``, ``correlation_id``, ``start_thread_id``)."""
     cpu = [e for e in evs if e.device_type() == torch.autograd.DeviceType.CPU]
     kern = sorted([e for e in evs if e.device_type() == torch.autograd.DeviceType.CUDA], key=lambda e: e.start_ns())
     launch = {}
@@ -129,6 +138,12 @@ def attribute(prof) -> dict:
                 gaps[qid] = (k.start_ns() - busy_end) / 1e6
                 queries.setdefault(le.start_thread_id(), []).append((le.start_ns(), qid))
         busy_end = k.end_ns() if busy_end is None else max(busy_end, k.end_ns())
+    copies = {}  # a device copy's GPU time, charged to what issued it (a clone off graph memory, a copy_ in)
+    for k in kern:
+        if k.name().startswith("Memcpy") and (le := launch.get(k.correlation_id())) is not None:
+            qid = ("copy", len(copies))
+            copies[qid] = (k.end_ns() - k.start_ns()) / 1e6
+            queries.setdefault(le.start_thread_id(), []).append((le.start_ns(), qid))
     for e in cpu:
         if e.name() in ("cudaStreamSynchronize", "cudaMemcpyAsync", "cudaMemcpy", "cudaEventSynchronize",
                         "cudaDeviceSynchronize") and e.duration_ns() > 30_000:
@@ -139,7 +154,7 @@ def attribute(prof) -> dict:
     for th, qs in queries.items():
         where.update(enclosing(by_thread.get(th, []), qs))
     out = {}
-    for name, table in (("gaps", gaps), ("syncs", syncs)):
+    for name, table in (("gaps", gaps), ("syncs", syncs), ("copies", copies)):
         agg = {}
         for qid, ms in table.items():
             r = agg.setdefault(key_of(where.get(qid, [])), [0, 0.0])
