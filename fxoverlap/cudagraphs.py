@@ -84,7 +84,10 @@ then one replay (the warm-ups run with the random generators' states put back
 afterwards, so a stage that draws random numbers draws them once, at the replay,
 as eager does). A capture that fails (e.g. a host sync hidden inside a custom op)
 leaves that stage eager, with a logged reason. Gradients and losses are cloned off
-graph memory before they reach ``p.grad`` or the caller.
+graph memory before they reach ``p.grad`` or the caller; where ``optimize`` adds a gradient into
+an existing ``p.grad`` (no tensor hook sees it), the add reads graph memory directly, in stream
+order before any replay (``runtime.accumulate_into``). The backend hands its gradients to
+autograd, where a node hook could keep one: those stay cloned.
 
 Capture runs on a side capture stream (``torch.cuda.graph``'s own), not on the
 stage's stream: the compute stream is normally the legacy default stream, which
