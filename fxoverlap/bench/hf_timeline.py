@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     overlap_options = h.parse_options(args.overlap_option)
     tag = (f"{args.model}_{args.mode}{'' if args.chunks is None else f'_c{args.chunks}'}"
            f"{'_nolink' if args.nolink else '' if args.gbps == h.GBPS else f'_{args.gbps:g}GBps'}"
-           + "".join(f"_{k}" for k, v in stage_options.items() if v) + "".join(f"_{kv.replace('=', '')}" for kv in args.overlap_option))
+           + "".join(f"_{k}" for k, v in stage_options.items() if v)
+           + "".join(f"_{kv.replace('=', '')}" for kv in args.overlap_option))
     timed = h._timed
 
     def timed_with_profile(fn, iters):

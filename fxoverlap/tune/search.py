@@ -6,9 +6,9 @@ defaults by more than noise (:func:`choose`; :func:`search`, its answer a :class
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 import time
 import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.fx
