@@ -330,3 +330,36 @@ def test_bench_tune_verdicts_hold_by_identity_and_compare_otherwise():
     assert not v["not_slower_than_defaults"] and not v["within_2pct"] and not v["tuned_is_sweep_choice"]
     v = verdicts({"defaults_ms": 450.0, "tuned_ms": 449.0, "sweep_best_ms": 445.0}, other, d, None)
     assert v["not_slower_than_defaults"] and "within_2pct" not in v
+
+
+def test_bench_tune_retimes_configs_interleaved_one_engine_per_distinct_config(monkeypatch):
+    """bench tune's re-timing: one engine per distinct config (equal configs share one figure), the
+    steps taken round by round (each config once per round) so drift falls on all alike."""
+    from fxoverlap.bench import gpu_tune
+
+    made, order = [], []
+
+    class Engine:
+        def __init__(self, cfg):
+            self.cfg, self.closed = cfg, False
+            made.append(self)
+
+        def forward_backward(self, mbs, loss_fn=None):
+            order.append(self.cfg.chunks)
+
+        def close(self):
+            self.closed = True
+
+    class Timer:
+        def step_ms(self, candidate, step, iters):
+            step()
+            return 3.0 if order[-1] == 3 else 1.0
+
+    monkeypatch.setattr(gpu_tune.fxoverlap, "optimize", lambda model, group, cfg: Engine(cfg))
+    model = torch.nn.Linear(2, 2)
+    base = fxoverlap.OverlapConfig(progress=False)
+    cfgs = {"defaults": base, "tuned": base, "sweep_best": dataclasses.replace(base, chunks=3)}
+    ms = gpu_tune.time_configs(model, None, [], None, cfgs, Timer(), warmup=1, iters=2)
+    assert len(made) == 2 and all(e.closed for e in made)
+    assert order == [None, 3] * 3  # 1 warm-up round, 2 timed rounds, interleaved
+    assert ms == {"defaults": 1.0, "tuned": 1.0, "sweep_best": 3.0}

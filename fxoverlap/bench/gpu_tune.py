@@ -12,13 +12,15 @@ speed (the group's link set between runs, nothing recompiled for it):
 1. ``sweep``: ``tune_with_report(exhaustive=True)``: every candidate program compiled and every
    candidate timed (``--no-sweep`` skips it: it takes minutes per link at the real shapes);
 2. ``tuned``: ``tune_with_report(budget_s=--budget)`` (cache off), its wall time is the tuning cost;
-3. the defaults' config, the tuned config and the sweep's best, each timed again the same way
-   (a fresh engine, ``--warmup`` steps, then the median of ``--iters`` steps between CUDA events),
-   back to back, so the comparison does not depend on when the tables were measured.
+3. the defaults' config, the tuned config and the sweep's best, each timed again (a fresh engine per
+   distinct config, ``--warmup`` rounds, then ``--iters`` rounds of one step of each between CUDA
+   events, the median per config: interleaved, so drift falls on all alike, and equal configs get
+   one figure), so the comparison does not depend on when the tables were measured.
 
 Writes one JSON line per (model, link) to ``--out``/``tune.jsonl``: the three re-timed steps, the
-ratios (tuned / sweep best: the criterion is <= 1.02; tuned / defaults: <= 1.00), the tuning cost
-against the budget, the choice, the predicted step at 4/8/16 microbatches, and both tables.
+ratios (tuned / sweep best: the criterion is <= 1.02; tuned / defaults: <= 1.00; each holds by
+identity where the choice is that setting, :func:`verdicts`), the tuning cost against the budget,
+the choice, the predicted step at 4/8/16 microbatches, and both tables.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -89,20 +92,35 @@ def parse_space(text: str, base: Space) -> Space:
     return dataclasses.replace(base, **changes)
 
 
-def time_config(model, group, mbs, loss_fn, cfg, timer, warmup: int, iters: int) -> float:
-    """A fresh engine with ``cfg``: ``warmup`` steps, then the timer's median of ``iters``."""
-    engine = fxoverlap.optimize(model, group, cfg)
+def time_configs(model, group, mbs, loss_fn, cfgs: dict, timer, warmup: int, iters: int) -> dict[str, float]:
+    """Each of ``cfgs``' step (the median of ``iters`` timer readings), one engine per distinct config,
+    timed round by round (one step of each per round) after ``warmup`` rounds: drift over the run
+    (clocks, the allocator, other work on the machine) falls on every config alike, and equal configs
+    get one engine and one figure."""
+    distinct: list = []
+    for cfg in cfgs.values():
+        if cfg not in distinct:
+            distinct.append(cfg)
+    engines = [fxoverlap.optimize(model, group, cfg) for cfg in distinct]
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        return engine.forward_backward(mbs, loss_fn)
+    def step_of(engine):
+        def step():
+            model.zero_grad(set_to_none=True)
+            return engine.forward_backward(mbs, loss_fn)
+        return step
 
+    steps = [step_of(e) for e in engines]
     for _ in range(warmup):
-        step()
-    ms = timer.step_ms(Candidate(), step, iters)
-    engine.close()
+        for step in steps:
+            step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(iters):
+        for k, step in enumerate(steps):
+            times[k].append(timer.step_ms(Candidate(), step, 1))
+    for e in engines:
+        e.close()
     model.zero_grad(set_to_none=True)
-    return ms
+    return {name: statistics.median(times[distinct.index(cfg)]) for name, cfg in cfgs.items()}
 
 
 def verdicts(row: dict, tuned: Candidate, defaults: Candidate, sweep: Candidate | None) -> dict:
@@ -176,8 +194,8 @@ def main() -> None:
             if sweep is not None:
                 configs["sweep_best"] = sweep.config
                 row["sweep_choice"] = sweep.choice.fields()
-            for what, c in configs.items():
-                row[f"{what}_ms"] = time_config(model, group, mbs, loss_fn, c, timer, a.warmup, a.iters)
+            for what, ms in time_configs(model, group, mbs, loss_fn, configs, timer, a.warmup, a.iters).items():
+                row[f"{what}_ms"] = ms
             defaults = Candidate(**{k: tuned.table[0][k] for k in tuned.choice.fields()})  # tune's first row
             row.update(verdicts(row, tuned.choice, defaults, None if sweep is None else sweep.choice))
             row["cost_within_budget"] = tuned.seconds <= a.budget
