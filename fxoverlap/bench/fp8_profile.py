@@ -373,12 +373,12 @@ def _fp8_extra_blocks(log: list, s: dict, g: dict, x: torch.Tensor, counts: torc
     add("unpad backward index_select", f"{_sig(x)} -> {_sig(xp)}", 1,
         lambda: F.pad(x, (0, 0, 0, 1)).index_select(0, padded.source))
     # grouped_mm_wgrad's pad: runs where the rows are no multiple of 16 (else timed as it would be)
-    padded = [a for a in wgrads if a[0].shape[0] % align]
+    unaligned = [a for a in wgrads if a[0].shape[0] % align]
     rows = xp.shape[0] if xp.shape[0] % align else xp.shape[0] - align // 2
     xa, ya = xp[:rows], dyp[:rows]
     pad = align - rows % align
-    add("wgrad row pad (F.pad x, dy)", f"{_sig(xa)}, {_sig(ya)} +{pad} rows", len(padded),
-        lambda: (F.pad(xa, (0, 0, 0, pad)), F.pad(ya, (0, 0, 0, pad))), on_path=bool(padded))
+    add("wgrad row pad (F.pad x, dy)", f"{_sig(xa)}, {_sig(ya)} +{pad} rows", len(unaligned),
+        lambda: (F.pad(xa, (0, 0, 0, pad)), F.pad(ya, (0, 0, 0, pad))), on_path=bool(unaligned))
     # the torch.where on empty groups' blocks (CUDA only) on each wgrad output shape
     for shape in sorted({(offs.shape[0], a[0].shape[1], a[1].shape[1]) for a in wgrads}):
         calls = sum((offs.shape[0], a[0].shape[1], a[1].shape[1]) == shape for a in wgrads)
