@@ -517,6 +517,12 @@ def test_hf_real_rows_carry_chunks_nolink_and_forward_modes(tmp_path, capsys):
             commands.main(["hf", "--one", "qwen3_moe", "backend", "--overlap-option", "cuda_graphs=0",
                            "--overlap-option", "sm_carveout=8"])
         assert seen.pop()[4]["overlap_options"] == {"cuda_graphs": False, "sm_carveout": 8}
+        with pytest.raises(Exited):  # 1/0 are bools for bool fields only: chunks=1 stays a count
+            commands.main(["hf", "--one", "qwen3_moe", "backend", "--overlap-option", "chunks=1",
+                           "--overlap-option", "sm_carveout=0", "--overlap-option", "delay_wgrad=1"])
+        got = seen.pop()[4]["overlap_options"]
+        assert got == {"chunks": 1, "sm_carveout": 0, "delay_wgrad": True}
+        assert type(got["chunks"]) is int and type(got["sm_carveout"]) is int
         with pytest.raises(Exited):
             hf_timeline.main(["--model", "qwen3_moe", "--mode", "backend", "--chunks", "3", "--nolink",
                               "--out", str(tmp_path / "tl")])

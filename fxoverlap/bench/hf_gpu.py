@@ -39,7 +39,7 @@ of reordered sums; a wrong slice or a lost routing weight is O(1)). Each process
 the JSON lines (``hf_gpu_real.jsonl``) go to ``--out`` (default ``$OUT``). Budget: about 8
 minutes on one H200 with a warm Inductor cache dir shared by the processes.
 """
-import argparse, collections, copy, json, os, statistics, subprocess, sys, time, traceback
+import argparse, collections, copy, dataclasses, json, os, statistics, subprocess, sys, time, traceback
 from collections.abc import Callable
 
 import torch
@@ -320,13 +320,14 @@ def _chunk_list(text: str | None) -> list[int | None]:
     return ks
 
 
-def parse_options(items: list[str]) -> dict:
-    """``KEY=VALUE`` strings as a dict: ``1/true/0/false`` as bools, numbers as numbers."""
+def parse_options(items: list[str], bool_keys: Callable[[str], bool] = lambda key: True) -> dict:
+    """``KEY=VALUE`` strings as a dict: ``true/false`` as bools, ``1/0`` too where ``bool_keys(KEY)``
+    (every key by default: Inductor's flags), other numbers as numbers, the rest as strings."""
     out = {}
     for kv in items:
         key, _, value = kv.partition("=")
         low = value.lower()
-        if low in ("1", "true", "0", "false"):
+        if low in ("true", "false") or (low in ("1", "0") and bool_keys(key)):
             out[key] = low in ("1", "true")
         else:
             try:
@@ -337,6 +338,13 @@ def parse_options(items: list[str]) -> dict:
                 except ValueError:
                     out[key] = value
     return out
+
+
+def parse_overlap_options(items: list[str]) -> dict:
+    """``KEY=VALUE`` strings naming ``OverlapConfig`` fields: ``1/0`` is a bool for a bool field
+    (``cuda_graphs=0``) and a number for a number field (``chunks=1``)."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(fxoverlap.OverlapConfig)}
+    return parse_options(items, lambda key: types.get(key, "").startswith("bool"))
 
 
 def row_command(name: str, mode: str, iters: int, chunks: int | None = None, link: bool = True,
@@ -435,7 +443,7 @@ def cli() -> None:
             ap.error(f"--one runs one row: one --chunks value, got {args.chunks!r}")
         try:
             row = run_real_one(*args.one, args.iters, chunks=chunks[0], link=not args.nolink, gbps=args.gbps,
-                               overlap_options=parse_options(args.overlap_option))
+                               overlap_options=parse_overlap_options(args.overlap_option))
         except Exception as e:  # noqa: BLE001 -- reported as the row
             row = dict(model=args.one[0], mode=args.one[1], chunks=chunks[0], error=f"{type(e).__name__}: {e}"[:600],
                        trace=traceback.format_exc()[-1500:])

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--chunks {args.chunks}: an int >= 1, for an fxoverlap mode (not {', '.join(h.COMPILE_MODES_REAL)})")
     os.makedirs(args.out, exist_ok=True)
     stage_options = h.parse_options(args.stage_option)
-    overlap_options = h.parse_options(args.overlap_option)
+    overlap_options = h.parse_overlap_options(args.overlap_option)
     tag = (f"{args.model}_{args.mode}{'' if args.chunks is None else f'_c{args.chunks}'}"
            f"{'_nolink' if args.nolink else '' if args.gbps == h.GBPS else f'_{args.gbps:g}GBps'}"
            + "".join(f"_{k}" for k, v in stage_options.items() if v)
