@@ -112,6 +112,7 @@ from fxoverlap.ir.program import stage_calls, steps
 from fxoverlap.runtime import storage_key
 from fxoverlap.ir.stage import Stage
 from fxoverlap.ir.errors import FxOverlapError, InternalError
+from fxoverlap.kernels.copy_labels import STATIC_INPUT, copy_label
 
 
 class GraphReplayError(FxOverlapError, RuntimeError):
@@ -218,7 +219,8 @@ class _Graph:
                     raise GraphReplayError(self._bad(i, a, s, "has a different shape or dtype than at capture"))
                 if a.data_ptr() == s.data_ptr() and a.stride() == s.stride():
                     continue  # the static buffer itself, as another view
-                s.copy_(a)
+                with copy_label(STATIC_INPUT):
+                    s.copy_(a)
             elif kind == _SHARED:
                 if a is not s and not _same_memory(a, s):
                     raise InternalError(self._bad(
@@ -400,7 +402,8 @@ class StageGraphs:
             self.cuda.synchronize(self.device)
             return self._fallback(stage, f"capture failed: {type(e).__name__}: {e}")
         for i, b in zip(copied, bufs):
-            b.copy_(args[i])
+            with copy_label(STATIC_INPUT):
+                b.copy_(args[i])
             static_args[i] = self.cuda.alias(b)
         for i, kind in enumerate(kinds):
             if kind == _SHARED:

@@ -32,6 +32,7 @@ from fxoverlap.ir.capture import Capture, inner_value
 from fxoverlap.ir.errors import FxOverlapError, InternalError
 from fxoverlap.ir.program import Step, bucket_value
 from fxoverlap.ir.stage import Direction, Part, Stage, StageKind, StreamKind
+from fxoverlap.kernels.copy_labels import GRAPH_GRADIENT, GRAPH_OUTPUT, copy_label
 
 # A hook wraps every stage call: hook(node, stage, run) must call run() (which
 # runs the stage on its inputs, on its stream) and return its outputs.
@@ -224,7 +225,8 @@ def accumulate_into(model: nn.Module | NamedTensors, capture: Capture, post_hook
         # no copy needed (the clone would only be added and dropped)
         in_place = path is None and p.grad is not None and not p._backward_hooks
         if (graph_memory and not in_place) or g.data_ptr() == (p if path is None else inner_value(p, path)).data_ptr():
-            g = g.detach().clone()
+            with copy_label(GRAPH_GRADIENT):
+                g = g.detach().clone()
         if path is None:
             add(p, g.detach())
             return
@@ -761,8 +763,11 @@ class ProgramRunner:
     def output(self, mb: int, *values: str) -> None:
         state = self._state
         for v in values:
-            t = state.stores[mb][v]
-            state.outputs[mb][v] = t.detach().clone() if (mb, v) in state.graph_owned else t.detach()
+            t = state.stores[mb][v].detach()
+            if (mb, v) in state.graph_owned:
+                with copy_label(GRAPH_OUTPUT):
+                    t = t.clone()
+            state.outputs[mb][v] = t
 
     def accumulate(self, mb: int, *values: str) -> None:
         state = self._state

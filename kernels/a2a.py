@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from fxoverlap.ir.errors import FxOverlapError
+from fxoverlap.kernels.copy_labels import CHUNK_ROWS, ONE_RANK_EXCHANGE, copy_label
 
 
 class ExpertSplitError(FxOverlapError, ValueError):
@@ -208,7 +209,8 @@ def dispatch_tokens(
     if recv_counts is None:
         recv_counts = exchange_counts(send_counts, group)
     if ep == 1:
-        return _one_rank(group, "dispatch", x.clone()), recv_counts.clone()
+        with copy_label(ONE_RANK_EXCHANGE):
+            return _one_rank(group, "dispatch", x.clone()), recv_counts.clone()
     el = recv_counts.shape[1]
     splits = _split_counts(send_counts, recv_counts, ep, el)
     send_per_rank, recv_per_src, recv_flat = splits
@@ -229,7 +231,8 @@ def combine_tokens(
 ) -> torch.Tensor:
     ep = world_size(group)
     if ep == 1:
-        return _one_rank(group, "combine", y.clone())
+        with copy_label(ONE_RANK_EXCHANGE):
+            return _one_rank(group, "combine", y.clone())
     el = recv_counts.shape[1]
     send_per_rank, recv_per_src, recv_flat = _split_counts(send_counts, recv_counts, ep, el)
     # expert-major -> source-major: chunk (e, s) has recv_counts[s, e] rows
@@ -293,7 +296,8 @@ def _chunk_rows(host_counts: list[int], ep: int, chunk: int, chunks: int) -> lis
 
 def _take_rows(x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
     """The rows of ``runs``, packed: a new tensor (an op's output may not alias its input)."""
-    return torch.cat([x[a:b] for a, b in runs]) if len(runs) > 1 else x[runs[0][0]:runs[0][1]].clone()
+    with copy_label(CHUNK_ROWS):
+        return torch.cat([x[a:b] for a, b in runs]) if len(runs) > 1 else x[runs[0][0]:runs[0][1]].clone()
 
 
 def _chunk_plan(send_counts: torch.Tensor, group: dist.ProcessGroup | None, first: torch.Tensor | None
@@ -357,7 +361,8 @@ def combine_chunk(y: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch
     took them (the split sizes are the ones it remembered for ``recv_counts``)."""
     ep = world_size(group)
     if ep == 1:
-        return _one_rank(group, "combine", y.clone())
+        with copy_label(ONE_RANK_EXCHANGE):
+            return _one_rank(group, "combine", y.clone())
     return combine_tokens(y, recv_counts, chunk_counts(send_counts, ep, chunk, chunks), group)
 
 
@@ -369,9 +374,10 @@ def merge_chunks(parts: list[torch.Tensor], send_counts: torch.Tensor, ep: int, 
     plan = _recall(first, _chunk_plans) if first is not None else None
     host_send = plan[0] if plan is not None else send_counts.tolist()
     out = parts[0].new_empty(out_rows, parts[0].shape[1])
-    for c, part in enumerate(parts):
-        at = 0
-        for a, b in _chunk_rows(host_send, ep, c, len(parts)):
-            out[a:b].copy_(part[at:at + b - a])
-            at += b - a
+    with copy_label(CHUNK_ROWS):
+        for c, part in enumerate(parts):
+            at = 0
+            for a, b in _chunk_rows(host_send, ep, c, len(parts)):
+                out[a:b].copy_(part[at:at + b - a])
+                at += b - a
     return out

@@ -416,6 +416,40 @@ def test_gradients_from_graph_memory_are_cloned_only_into_an_empty_grad(fake_cud
     engine.close()
 
 
+def test_profiler_charges_each_copy_fxoverlap_makes_to_its_reason(fake_cuda):
+    """Under a profiler, each copy the runtime makes around its CUDA graphs sits in a
+    ``copy_labels`` range naming why (what ``bench hf-timeline --deep`` charges copies to): the
+    loads into static inputs, the graph-memory gradients copied into an empty ``p.grad``, the
+    graph-owned outputs (the losses), and the one-rank exchange's copies; real kineto events,
+    read as the timeline reads them. Without a profiler the label is no range at all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fxoverlap.bench.hf_timeline import enclosing, key_of
+    from fxoverlap.kernels import copy_labels
+
+    mbs = _batches(2, 256, seed=2)
+    model = _model("capacity")
+    engine = fxoverlap.optimize(model, None, fxoverlap.OverlapConfig(cuda_graphs=True))
+    engine.forward_backward(mbs)  # captures
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.forward_backward(mbs)
+    evs = prof.profiler.kineto_results.events()
+    by_thread: dict = {}
+    for e in evs:
+        by_thread.setdefault(e.start_thread_id(), []).append((e.start_ns(), e.end_ns(), e.name()))
+    copies = [e for e in evs if e.name() == "aten::copy_"]
+    keys = {}
+    for th, iv in by_thread.items():
+        qs = [(e.start_ns() + 1, i) for i, e in enumerate(copies) if e.start_thread_id() == th]
+        keys.update(enclosing(iv, qs))
+    reasons = {key_of(labels).split(" | ")[0] for labels in keys.values()}
+    for kind in (copy_labels.STATIC_INPUT, copy_labels.GRAPH_GRADIENT, copy_labels.GRAPH_OUTPUT,
+                 copy_labels.ONE_RANK_EXCHANGE):
+        assert f"aten::copy_ [{kind}]" in reasons, (kind, sorted(reasons))
+    assert isinstance(copy_labels.copy_label(copy_labels.STATIC_INPUT), contextlib.nullcontext)
+
+
 def test_one_copy_would_corrupt(fake_cuda, monkeypatch):
     """With a single copy per stage, F(i+1) overwrites what B(i) still needs."""
     mbs = _batches(3, 256, seed=7)

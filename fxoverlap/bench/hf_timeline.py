@@ -9,8 +9,9 @@ only. ``--chunks K``: ``OverlapConfig(chunks=K)`` / the backend's ``options={"ch
 ``--deep``: also cProfile of one step (the main thread's Python; a CUDA backward runs on autograd's
 device thread, which it does not see) in ``OUT/cprofile_<tag>.txt``, and the GPU's idle gaps and
 host syncs charged to the CPU op that launched the next kernel, and each device copy's GPU time
-charged to the op that issued it (``copies``: a clone off CUDA-graph memory, a copy into a graph's
-static input). Issue 37's breakdown
+charged to the op that issued it and, for the copies fxoverlap makes, to their reason
+(``copies``: ``aten::copy_ [static-input]``, ``[graph-output]``, ...: ``fxoverlap.kernels.copy_labels``,
+profiler ranges: on the GPU the Python frames did not attach to the copies). Issue 37's breakdown
 (docs/benchmarks.md, 2026-12-04 tenth session) was measured with it.
 """
 import argparse
@@ -21,6 +22,7 @@ import time
 import torch
 
 import fxoverlap.bench.hf_gpu as h
+from fxoverlap.kernels import copy_labels
 
 def analyse(prof) -> dict:
     evs = prof.profiler.kineto_results.events()
@@ -102,9 +104,13 @@ def enclosing(intervals, queries):
 
 
 def key_of(labels):
+    """``op [reason] | frames``: the innermost op, the innermost :mod:`copy_labels` reason (a
+    copy fxoverlap makes says why) and up to four Python frames, innermost first."""
     ops = [l for l in labels if "::" in l and "): " not in l]
+    reasons = [l[len(copy_labels.PREFIX):] for l in labels if l.startswith(copy_labels.PREFIX)]
     py = [l for l in labels if "(" in l and "): " in l and not any(k in l for k in KEEP_OUT)]
-    return (ops[-1] if ops else "-") + " | " + " < ".join(reversed(py[-4:]))
+    op = (ops[-1] if ops else "-") + (f" [{reasons[-1]}]" if reasons else "")
+    return op + " | " + " < ".join(reversed(py[-4:]))
 
 
 def attribute(prof) -> dict:
