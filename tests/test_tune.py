@@ -39,8 +39,9 @@ def test_enumeration_cuda_ep8():
     assert all(c.expert_wgrad_slot == 2 for c in cands if not c.delay_wgrad)  # the slot only with delay_wgrad
     assert not any(c.chunks_in_merged_steps for c in cands if c.chunks == 1)
     assert {c.sm_carveout for c in cands} == {0, 8, 16, 24, 32} and {c.comm_stream_priority for c in cands} == {-1, 0}
-    # (whole, per chunk count 2-4 x merged-steps flag, padded) x wgrad settings, times the runtime knobs
-    programs = ((1 + 3 * 2) * 2 + 1) * 3
+    assert not any(c.chunks_in_merged_steps for c in cands)  # Space()'s default leaves it out
+    # (whole, per chunk count 2-4, padded) x wgrad settings, times the runtime knobs
+    programs = ((1 + 3) * 2 + 1) * 3
     groups = program_groups(cands)
     assert len(groups) == programs and len(cands) == programs * 10
     for g in groups:  # the runtime knobs share one program
@@ -55,7 +56,10 @@ def test_enumeration_forward_only_cpu_and_limits():
                                comm_kernels=False)
     assert not any(c.delay_wgrad for c in fwd) and {c.dispatcher for c in fwd} == {"auto"}
     assert {c.sm_carveout for c in fwd} == {0}  # no comm kernel beside the experts: the runtime reads none
-    assert len(fwd) == (1 + 3 * 2) * 2  # chunks x merged flag, x priority
+    assert len(fwd) == (1 + 3) * 2  # chunks x priority
+    merged = enumerate_candidates(CUDA_DEFAULTS, space=Space(chunks_in_merged_steps=(False, True)), forward_only=True,
+                                  microbatches=4, ep_size=1, device_type="cuda", comm_kernels=False)
+    assert len(merged) == (1 + 3 * 2) * 2 and any(c.chunks_in_merged_steps for c in merged)  # when asked for
     cpu = enumerate_candidates(fxoverlap.OverlapConfig(), microbatches=1, ep_size=2, device_type="cpu",
                                local_experts=2)
     assert cpu[0] == Candidate(dispatcher="auto")  # the CPU defaults: chunks 1, no delayed wgrads

@@ -1,7 +1,7 @@
 """``fxoverlap.tune``: the overlap knobs chosen by timing a few real steps of the user's own model.
 
 ``tune(model, ep_group, microbatches, loss_fn=..., budget_s=60, config=None) -> OverlapConfig``
-times candidate settings of ``chunks`` (and ``chunks_in_merged_steps``), ``delay_wgrad`` with
+times candidate settings of ``chunks`` (and ``chunks_in_merged_steps`` where a ``Space`` asks), ``delay_wgrad`` with
 ``expert_wgrad_slot``, ``dispatcher``, ``sm_carveout`` and ``comm_stream_priority``, on these
 microbatches, and returns ``config`` with the fastest (docs/tune.md). :func:`tune_with_report`
 returns the same choice with the table of what was tried (:class:`TuneResult`).
