@@ -447,7 +447,9 @@ def test_profiler_charges_each_copy_fxoverlap_makes_to_its_reason(fake_cuda):
     for kind in (copy_labels.STATIC_INPUT, copy_labels.GRAPH_GRADIENT, copy_labels.GRAPH_OUTPUT,
                  copy_labels.ONE_RANK_EXCHANGE):
         assert f"aten::copy_ [{kind}]" in reasons, (kind, sorted(reasons))
+    assert {r for r in reasons if "[" in r} <= {f"aten::copy_ [{k}]" for k in copy_labels.KINDS}
     assert isinstance(copy_labels.copy_label(copy_labels.STATIC_INPUT), contextlib.nullcontext)
+    engine.close()
 
 
 def test_one_copy_would_corrupt(fake_cuda, monkeypatch):
