@@ -367,3 +367,39 @@ def test_bench_tune_retimes_configs_interleaved_one_engine_per_distinct_config(m
     assert len(made) == 2 and all(e.closed for e in made)
     assert order == [None, 3] * 3  # 1 warm-up round, 2 timed rounds, interleaved
     assert ms == {"defaults": 1.0, "tuned": 1.0, "sweep_best": 3.0}
+
+
+def test_noisy_timings_are_reported_and_warned_about():
+    """A timer that gives every reading (``step_times``, as CudaEventTimer does) fills each row's
+    ``spread``; where the defaults' or the choice's readings spread past NOISY_SPREAD, one
+    TuneWarning names them (the choice is then less sure than the 1 % margin assumes). A timer
+    with medians only leaves ``spread`` None and warns of nothing."""
+    import warnings
+
+    from fxoverlap.tune import TuneWarning
+    from fxoverlap.tune.search import NOISY_SPREAD
+    from fxoverlap.tune.timers import step_readings
+
+    class ReadingsTimer(TableTimer):
+        def step_times(self, candidate, step, iters):
+            self.calls += 1
+            return self.ms(candidate)
+
+    readings = {0: [10.0, 10.0, 10.0 * (1 + 2 * NOISY_SPREAD)], 8: [9.0, 9.0, 9.0]}
+    model, mbs = tiny(n=2)
+    cfg = fxoverlap.OverlapConfig(progress=False)
+    with pytest.warns(TuneWarning, match="spread more than") as seen:
+        res = tune_with_report(model, None, mbs, config=cfg, timer=ReadingsTimer(lambda c: readings[c.sm_carveout]),
+                               candidates=CANDS, cache=False, iters=3)
+    assert res.choice == CANDS[1]
+    spreads = {r["sm_carveout"]: r["spread"] for r in res.table}
+    assert spreads[0] == pytest.approx(2 * NOISY_SPREAD) and spreads[8] == 0.0
+    noise = [str(w.message) for w in seen if "spread more than" in str(w.message)]
+    assert len(noise) == 1 and CANDS[0].label() in noise[0] and CANDS[1].label() not in noise[0]
+    assert "spread" in res.format_table().splitlines()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TuneWarning)
+        quiet = tune_with_report(model, None, mbs, config=cfg, timer=TableTimer(lambda c: 10.0 - c.sm_carveout / 8),
+                                 candidates=CANDS, cache=False, iters=3)
+    assert all(r["spread"] is None for r in quiet.table)
+    assert step_readings(TableTimer(lambda c: 4.0), CANDS[0], lambda: None, 3) == [4.0]

@@ -16,7 +16,8 @@ class CandidateMismatch(TuneError):
 
 class TuneWarning(UserWarning):
     """What the measurement revealed: ``CUDA_DEVICE_MAX_CONNECTIONS=1``, a link slower than the
-    compute can hide, a candidate too close to the device's memory (or out of it)."""
+    compute can hide, a candidate too close to the device's memory (or out of it), timed steps
+    that spread more than a choice can be sure of."""
 
 
 class TuneSkipped(TuneWarning):

@@ -6,6 +6,7 @@ defaults by more than noise (:func:`choose`; :func:`search`, its answer a :class
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 import warnings
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from fxoverlap.tune.candidates import Candidate, program_groups
 from fxoverlap.tune.errors import TuneWarning
 from fxoverlap.tune.session import Session, set_runtime_knobs
 from fxoverlap.tune.step_model import StageProfile, predict_ms, stream_busy_ms
+from fxoverlap.tune.timers import step_readings
 
 #: Peak memory above this share of the device's memory: the headroom warning.
 HEADROOM_SHARE = 0.9
@@ -29,13 +31,19 @@ REPORT_MICROBATCHES = (4, 8, 16)
 #: settings within 0.1 % of the defaults; the same program re-timed 3.5 % apart), and the
 #: defaults are the setting measured most.
 KEEP_DEFAULTS_MARGIN = 0.01
+#: A candidate's timed steps spread more than this (max - min over the median): the warning that
+#: the comparison is less sure than the margin assumes (Qwen3's defaults at 300 GB/s measured
+#: 68-92 ms from run to run on an H100, eighteenth session).
+NOISY_SPREAD = 0.10
 
 
 @dataclasses.dataclass
 class TuneResult:
     """:func:`tune_with_report`'s answer: the config, the candidate it is, where it came from
     (``"timed"``, ``"cache"``, ``"defaults"``: skipped), the table of what was tried (one row per
-    candidate: its fields, ``predicted_ms``, ``measured_ms`` (slowest rank's median), ``status``),
+    candidate: its fields, ``predicted_ms``, ``measured_ms`` (slowest rank's median), ``spread``
+    ((max - min) / median of its timed steps, the widest rank's; None from a timer that gives only
+    a median), ``status``),
     the predicted step of the choice at other microbatch counts, the seconds spent, and the
     defaults' stage times the step model used (ms per call by stage name; empty without a
     stage profile): with them the step model replays any program of the same stages offline."""
@@ -50,12 +58,12 @@ class TuneResult:
     stage_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def format_table(self) -> str:
-        rows = [("candidate", "predicted ms", "measured ms", "status")]
+        rows = [("candidate", "predicted ms", "measured ms", "spread", "status")]
         for r in self.table:
-            p, m = r.get("predicted_ms"), r.get("measured_ms")
+            p, m, sp = r.get("predicted_ms"), r.get("measured_ms"), r.get("spread")
             rows.append((r["label"], "-" if p is None else f"{p:.2f}", "-" if m is None else f"{m:.2f}",
-                         r["status"]))
-        widths = [max(len(x[i]) for x in rows) for i in range(4)]
+                         "-" if sp is None else f"{sp:.1%}", r["status"]))
+        widths = [max(len(x[i]) for x in rows) for i in range(5)]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
 
 
@@ -64,8 +72,8 @@ def search(s: Session, candidates: list[Candidate], budget_s: float, iters: int,
     """Time the program groups of ``candidates`` on ``s`` (the defaults' first, the others in the step
     model's order while ``budget_s`` lasts from ``t_start``; ``exhaustive``: all) and choose the fastest."""
     groups = program_groups(candidates)
-    rows = {c: {"label": c.label(), **c.fields(), "predicted_ms": None, "measured_ms": None, "status": "not timed"}
-            for c in candidates}
+    rows = {c: {"label": c.label(), **c.fields(), "predicted_ms": None, "measured_ms": None, "spread": None,
+                "status": "not timed"} for c in candidates}
     # 1. the defaults' program (the first group): timed always, and its stages profiled once
     measured: dict[Candidate, float] = {}
     t0 = time.perf_counter()
@@ -107,6 +115,7 @@ def search(s: Session, candidates: list[Candidate], budget_s: float, iters: int,
         group_cost = max(group_cost, time.perf_counter() - t0)
     best = choose(measured, candidates)
     rows[best]["status"] += ", chosen"
+    _warn_noise([rows[c] for c in dict.fromkeys((candidates[0], best)) if c in measured], iters)
     result = TuneResult(best.config(s.base), best, "timed", [rows[c] for c in candidates], stage_ms=profile or {})
     if profile is not None and not s.forward_only:
         for n in REPORT_MICROBATCHES:
@@ -138,14 +147,19 @@ def _time_group(s: Session, engine, group: list[Candidate], warmup: int, iters: 
         torch.cuda.reset_peak_memory_stats(s.device)
     for _ in range(max(warmup, 1)):
         step()
-    mine = []
+    mine, spreads, several = [], [], False
     for c in group:
         set_runtime_knobs(runner, c, s.device)
-        mine.append(s.timer.step_ms(c, step, iters))
-    times = s.ranks.max(mine)
-    for c, t in zip(group, times):
+        readings = step_readings(s.timer, c, step, iters)
+        median = statistics.median(readings)
+        mine.append(median)
+        spreads.append((max(readings) - min(readings)) / median if median > 0 else 0.0)
+        several = len(readings) > 1
+    times, spreads = s.ranks.max(mine), s.ranks.max(spreads)
+    for c, t, sp in zip(group, times, spreads):
         measured[c] = t
         rows[c]["measured_ms"] = t
+        rows[c]["spread"] = sp if several else None
         rows[c]["status"] = "timed"
     if cuda:
         peak = torch.cuda.max_memory_allocated(s.device)
@@ -159,6 +173,18 @@ def _time_group(s: Session, engine, group: list[Candidate], warmup: int, iters: 
 def _compiled_runner(s: Session, engine):
     """The runner the engine's step uses (its program compiled on first use)."""
     return s.runner(engine)[0].runner
+
+
+def _warn_noise(rows: list[dict], iters: int) -> None:
+    """One warning for the defaults and the choice whose timed steps spread past NOISY_SPREAD."""
+    noisy = [r for r in rows if r["spread"] is not None and r["spread"] > NOISY_SPREAD]
+    if noisy:
+        which = "; ".join(f"{r['label']}: {r['spread']:.0%} around {r['measured_ms']:.1f} ms" for r in noisy)
+        warnings.warn(TuneWarning(
+            f"fxoverlap.tune: the timed steps spread more than {NOISY_SPREAD:.0%} ({which}), more than the "
+            f"{KEEP_DEFAULTS_MARGIN:.0%} a candidate must win by, so the choice is less sure: time more steps "
+            f"(iters={max(2 * iters, 5)}), keep other work off the GPU, or look for a host-paced step (many kernel "
+            f"launches or host syncs in a torch.profiler trace)"))
 
 
 def _warn_link(profile: StageProfile, program: torch.fx.GraphModule) -> None:

@@ -21,11 +21,21 @@ class Timer(Protocol):
     """How tuning times. ``step_ms(candidate, step, iters)``: the median ms of ``iters`` calls of
     ``step`` (a whole ``forward_backward``) run with ``candidate``; ``stage_hook()``: a
     ``ProgramRunner`` hook that records each stage call's time alone in its ``times`` (ms by
-    program node name), or None when this timer measures no stages (no step model then)."""
+    program node name), or None when this timer measures no stages (no step model then).
+    A timer may also have ``step_times(candidate, step, iters)``, every reading in ms: then
+    the search reports how far they spread (:func:`step_readings`)."""
 
     def step_ms(self, candidate: Candidate, step: Callable[[], Any], iters: int) -> float: ...
 
     def stage_hook(self) -> Any: ...
+
+
+def step_readings(timer: Timer, candidate: Candidate, step: Callable[[], Any], iters: int) -> list[float]:
+    """The timer's readings of ``iters`` steps: every one where it gives them (``step_times``),
+    else its median alone."""
+    if hasattr(timer, "step_times"):
+        return list(timer.step_times(candidate, step, iters))
+    return [timer.step_ms(candidate, step, iters)]
 
 
 class _StageHook:
@@ -58,7 +68,7 @@ class CudaEventTimer:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def step_ms(self, candidate: Candidate, step: Callable[[], Any], iters: int) -> float:
+    def step_times(self, candidate: Candidate, step: Callable[[], Any], iters: int) -> list[float]:
         times = []
         for _ in range(iters):
             torch.cuda.synchronize(self.device)
@@ -68,7 +78,10 @@ class CudaEventTimer:
             end.record()
             torch.cuda.synchronize(self.device)
             times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return times
+
+    def step_ms(self, candidate: Candidate, step: Callable[[], Any], iters: int) -> float:
+        return statistics.median(self.step_times(candidate, step, iters))
 
     def stage_hook(self) -> _StageHook:
         return _StageHook(True, self.device)
@@ -78,13 +91,16 @@ class WallTimer:
     """Host wall-clock timing (``time.perf_counter``): for CPU smoke runs of the whole flow;
     on a GPU, :class:`CudaEventTimer` is the one that measures the device."""
 
-    def step_ms(self, candidate: Candidate, step: Callable[[], Any], iters: int) -> float:
+    def step_times(self, candidate: Candidate, step: Callable[[], Any], iters: int) -> list[float]:
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return times
+
+    def step_ms(self, candidate: Candidate, step: Callable[[], Any], iters: int) -> float:
+        return statistics.median(self.step_times(candidate, step, iters))
 
     def stage_hook(self) -> _StageHook:
         return _StageHook(False, None)
