@@ -17,7 +17,8 @@ speed (the group's link set between runs, nothing recompiled for it):
    events, the median per config: interleaved, so drift falls on all alike, and equal configs get
    one figure), so the comparison does not depend on when the tables were measured.
 
-Writes one JSON line per (model, link) to ``--out``/``tune.jsonl``: the three re-timed steps, the
+Writes one JSON line per (model, link) to ``--out``/``tune.jsonl``: the three re-timed steps (the
+median as ``*_ms``, every reading as ``*_ms_all``), the
 ratios (tuned / sweep best: the criterion is <= 1.02; tuned / defaults: <= 1.00; each holds by
 identity where the choice is that setting, :func:`verdicts`), the tuning cost against the budget,
 the choice, the predicted step at 4/8/16 microbatches, and both tables.
@@ -92,8 +93,8 @@ def parse_space(text: str, base: Space) -> Space:
     return dataclasses.replace(base, **changes)
 
 
-def time_configs(model, group, mbs, loss_fn, cfgs: dict, timer, warmup: int, iters: int) -> dict[str, float]:
-    """Each of ``cfgs``' step (the median of ``iters`` timer readings), one engine per distinct config,
+def time_configs(model, group, mbs, loss_fn, cfgs: dict, timer, warmup: int, iters: int) -> dict[str, list[float]]:
+    """Each of ``cfgs``' ``iters`` step readings (ms), one engine per distinct config,
     timed round by round (one step of each per round) after ``warmup`` rounds: drift over the run
     (clocks, the allocator, other work on the machine) falls on every config alike, and equal configs
     get one engine and one figure."""
@@ -120,7 +121,7 @@ def time_configs(model, group, mbs, loss_fn, cfgs: dict, timer, warmup: int, ite
     for e in engines:
         e.close()
     model.zero_grad(set_to_none=True)
-    return {name: statistics.median(times[distinct.index(cfg)]) for name, cfg in cfgs.items()}
+    return {name: times[distinct.index(cfg)] for name, cfg in cfgs.items()}
 
 
 def verdicts(row: dict, tuned: Candidate, defaults: Candidate, sweep: Candidate | None) -> dict:
@@ -194,8 +195,9 @@ def main() -> None:
             if sweep is not None:
                 configs["sweep_best"] = sweep.config
                 row["sweep_choice"] = sweep.choice.fields()
-            for what, ms in time_configs(model, group, mbs, loss_fn, configs, timer, a.warmup, a.iters).items():
-                row[f"{what}_ms"] = ms
+            for what, readings in time_configs(model, group, mbs, loss_fn, configs, timer, a.warmup,
+                                               a.iters).items():
+                row[f"{what}_ms"], row[f"{what}_ms_all"] = statistics.median(readings), readings
             defaults = Candidate(**{k: tuned.table[0][k] for k in tuned.choice.fields()})  # tune's first row
             row.update(verdicts(row, tuned.choice, defaults, None if sweep is None else sweep.choice))
             row["cost_within_budget"] = tuned.seconds <= a.budget
