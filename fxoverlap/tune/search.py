@@ -32,8 +32,9 @@ REPORT_MICROBATCHES = (4, 8, 16)
 #: defaults are the setting measured most.
 KEEP_DEFAULTS_MARGIN = 0.01
 #: A candidate's timed steps spread more than this (max - min over the median): the warning that
-#: the comparison is less sure than the margin assumes (Qwen3's defaults at 300 GB/s measured
-#: 68-92 ms from run to run on an H100, eighteenth session).
+#: the comparison is less sure than the margin assumes. (From run to run, Qwen3's defaults at
+#: 300 GB/s measured 68-92 ms on an H100, eighteenth session; the spread within one timing is
+#: what a single tune can see of that.)
 NOISY_SPREAD = 0.10
 
 
