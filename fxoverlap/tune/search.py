@@ -148,19 +148,19 @@ def _time_group(s: Session, engine, group: list[Candidate], warmup: int, iters: 
         torch.cuda.reset_peak_memory_stats(s.device)
     for _ in range(max(warmup, 1)):
         step()
-    mine, spreads, several = [], [], False
+    mine, spreads, single = [], [], []
     for c in group:
         set_runtime_knobs(runner, c, s.device)
         readings = step_readings(s.timer, c, step, iters)
         median = statistics.median(readings)
         mine.append(median)
         spreads.append((max(readings) - min(readings)) / median if median > 0 else 0.0)
-        several = len(readings) > 1
+        single.append(len(readings) == 1)  # a median alone: no spread to tell
     times, spreads = s.ranks.max(mine), s.ranks.max(spreads)
-    for c, t, sp in zip(group, times, spreads):
+    for c, t, sp, one in zip(group, times, spreads, single):
         measured[c] = t
         rows[c]["measured_ms"] = t
-        rows[c]["spread"] = sp if several else None
+        rows[c]["spread"] = None if one else sp
         rows[c]["status"] = "timed"
     if cuda:
         peak = torch.cuda.max_memory_allocated(s.device)
