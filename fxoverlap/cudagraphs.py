@@ -83,11 +83,25 @@ handles or the grouped-GEMM probe must not happen during capture), then the capt
 then one replay (the warm-ups run with the random generators' states put back
 afterwards, so a stage that draws random numbers draws them once, at the replay,
 as eager does). A capture that fails (e.g. a host sync hidden inside a custom op)
-leaves that stage eager, with a logged reason. Gradients and losses are cloned off
-graph memory before they reach ``p.grad`` or the caller; where ``optimize`` adds a gradient into
-an existing ``p.grad`` (no tensor hook sees it), the add reads graph memory directly, in stream
-order before any replay (``runtime.accumulate_into``). The backend hands its gradients to
-autograd, where a node hook could keep one: those stay cloned.
+leaves that stage eager, with a logged reason.
+
+Outputs and gradients that leave the program
+--------------------------------------------
+Losses and other outputs are cloned off graph memory before they reach the caller. Where
+``optimize`` adds a gradient into an existing ``p.grad`` (no tensor hook sees it), the add
+reads graph memory directly, in stream order before any replay (``runtime.accumulate_into``);
+elsewhere it clones. Gradients handed to a caller (the backend hands them to autograd, whose
+``AccumulateGrad`` adds them into ``p.grad`` or copies them) are *lent*
+(:meth:`StageGraphs.lend`): the caller gets a tensor over the graph memory with a storage
+of its own, and the loan keeps the memory allocated. Before the runner runs anything again
+(:meth:`StageGraphs.reclaim`, at the start of each run or backward segment), each loan
+nobody else holds ends; one that something still holds (a tensor hook, the result of
+``torch.autograd.grad``, a list) is moved onto a copy first (``Tensor.set_``), so the
+holder keeps its values and the next replay may write the memory. A *view* of a loan
+cannot be moved that way: the runtime then raises :class:`GraphReplayError` naming the
+gradient before anything overwrites it. So the copy is made only where a gradient is kept
+past its use, which ``AccumulateGrad`` never does (it reads the gradient once, in stream
+order; with ``p.grad`` unset it copies it, as the loan is held by us: it is never stolen).
 
 Capture runs on a side capture stream (``torch.cuda.graph``'s own), not on the
 stage's stream: the compute stream is normally the legacy default stream, which
@@ -100,6 +114,7 @@ stream is left eager instead.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Sequence
 
@@ -112,7 +127,7 @@ from fxoverlap.ir.program import stage_calls, steps
 from fxoverlap.runtime import storage_key
 from fxoverlap.ir.stage import Stage
 from fxoverlap.ir.errors import FxOverlapError, InternalError
-from fxoverlap.kernels.copy_labels import STATIC_INPUT, copy_label
+from fxoverlap.kernels.copy_labels import GRAPH_GRADIENT, STATIC_INPUT, copy_label
 
 
 class GraphReplayError(FxOverlapError, RuntimeError):
@@ -124,6 +139,29 @@ log = logging.getLogger("fxoverlap")
 WARMUP_ITERS = 3
 
 _CONST, _STATIC, _SHARED, _COPY = "const", "static", "shared", "copy"
+
+
+class _Loan:
+    """Graph memory lent to a caller: ``tensor`` (what the caller got: its own storage over
+    the memory), ``keep`` (the stored value, which keeps the memory allocated in the run
+    that captures the graph), ``name`` (what it is, for the error)."""
+
+    __slots__ = ("tensor", "keep", "name")
+
+    def __init__(self, tensor: torch.Tensor, keep: torch.Tensor | None, name: str):
+        self.tensor, self.keep, self.name = tensor, keep, name
+
+
+def _holders(loan: _Loan) -> tuple[int, int, int]:
+    """Who holds a loan's tensor: Python references to it, C++ references to its TensorImpl,
+    references to its storage (views). Compared with :data:`_UNHELD`, measured the same way."""
+    t = loan.tensor
+    return sys.getrefcount(t), t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+# a loan nobody but the loan holds, measured as reclaim measures one (the interpreter's
+# reference counting decides the first figure: calibrated, not assumed)
+_UNHELD = _holders(_Loan(torch.empty(1), None, ""))
 
 
 def in_flight_depth(program: torch.fx.GraphModule) -> int:
@@ -259,6 +297,8 @@ class StageGraphs:
         self._side = None  # side stream for warm-up runs
         self._warmed: set[str] = set()
         self._graph_streams: list = []  # the streams graphs were captured from (replay there)
+        self._loans: list[_Loan] = []
+        self.loans_copied = 0  # loans something still held at their reclaim (each cost a copy)
         self.shared_pool = self._plan_pools(program, stages)
 
     # ---------------------------------------------------------------- planning
@@ -338,6 +378,36 @@ class StageGraphs:
             pending = self._pending.setdefault(hit[0], [])
             if not pending or pending[-1] is not ev:
                 pending.append(ev)
+
+    def lend(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """``t`` (graph memory: a gradient the runner hands to its caller) without a copy: a
+        tensor over its memory with a storage of its own, valid until :meth:`reclaim`."""
+        loan = _Loan(self.cuda.alias(t), t, name)
+        self._loans.append(loan)
+        return loan.tensor
+
+    def reclaim(self) -> None:
+        """End the loans; the runner calls this before it runs graphs again. A loan that
+        something still holds is moved onto a copy of its memory, on the current stream,
+        before any replay can write the memory; a view of one cannot be moved: raises
+        :class:`GraphReplayError`."""
+        if not self._loans:
+            return
+        loans, self._loans = self._loans, []
+        for loan in loans:
+            held = _holders(loan)
+            if held == _UNHELD:
+                continue
+            self.loans_copied += 1
+            t = loan.tensor
+            if held[2] > _UNHELD[2]:
+                raise GraphReplayError(
+                    f"cudagraph: a view of {loan.name} (graph memory lent to the caller as a gradient) is still "
+                    f"held as its CUDA graphs are about to run again, which would overwrite it; clone it where it is "
+                    f"kept (e.g. `g.clone()` in a tensor hook) or run with cuda_graphs=False")
+            with torch.no_grad(), copy_label(GRAPH_GRADIENT):
+                t.set_(t.clone())
+            log.debug("fxoverlap cudagraph: %s was held past its use; moved off graph memory", loan.name)
 
     def _wait_readers(self, copy: int) -> None:
         events = self._pending.pop(copy, None)
@@ -433,6 +503,7 @@ class StageGraphs:
     def summary(self) -> dict:
         return {
             "graphs": len(self._graphs),
+            "loans_copied": self.loans_copied,
             "stages_graphed": len({k[0] for k in self._graphs}),
             "copies": self.copies,
             "shared_pool": {str(c): v for c, v in self.shared_pool.items()},
@@ -440,7 +511,12 @@ class StageGraphs:
         }
 
     def close(self) -> None:
-        """Wait for the device, then drop every graph, static buffer and pool."""
+        """Wait for the device, then drop every graph, static buffer and pool (a gradient
+        still lent is moved off their memory first)."""
+        try:
+            self.reclaim()
+        except GraphReplayError as e:  # the memory goes back to the allocator: say so, as reclaim would
+            warnings.warn(str(e), stacklevel=2)
         if self._graphs:
             self.cuda.synchronize(self.device)
         graphs = list(self._graphs.values())

@@ -549,6 +549,8 @@ class ProgramRunner:
                 # the backward starts: its comm work follows what came before it
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
         self._state = state
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.reclaim()  # before any replay: the gradients lent by the last run
         # no comm kernel runs beside the experts (one rank, no emulated link): nothing to leave SMs to.
         # (A CUDA-graphed experts stage keeps the carveout of the run that captured it.)
         # (asked only where there is a carveout to set: the question resolves the EP groups)
@@ -772,7 +774,12 @@ class ProgramRunner:
     def accumulate(self, mb: int, *values: str) -> None:
         state = self._state
         if state.grads is None:  # no sink: gradients go to the caller, as outputs do
-            self.output(mb, *values)
+            graphs, store, out = self.cuda_graphs, state.stores[mb], state.outputs[mb]
+            for v in values:
+                if (mb, v) in state.graph_owned:  # copied only if the caller keeps it (cudagraphs.py)
+                    out[v] = graphs.lend(store[v], f"the gradient {v} of {self.capture.grads.get(v, v)}")
+                else:
+                    out[v] = store[v].detach()
             return
         for v in values:
             state.grads(v, state.stores[mb][v], (mb, v) in state.graph_owned)

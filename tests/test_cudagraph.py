@@ -245,6 +245,7 @@ class FakeCuda(cg.CudaBackend):
         self.streams = {"comp": _Stream(self, "comp"), "comm": _Stream(self, "comm")}
         self.cur = self.streams["comp"]
         self.events, self.log, self.graphs, self.resets = [], [], [], 0
+        self.kept = []
 
     def current_stream(self, device):
         return self.cur
@@ -277,9 +278,13 @@ class FakeCuda(cg.CudaBackend):
         return g, bufs, outs
 
     def alias(self, t):
-        # Another tensor over the same memory, as on CUDA (there it does not keep the
-        # memory allocated; on CPU nothing may be freed under it, so this one does).
-        return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        # Another tensor over the same memory with a storage of its own, as on CUDA (there it
+        # does not keep the memory allocated; on CPU nothing may be freed under it, so the
+        # fake keeps the memory's own storage).
+        s = t.untyped_storage()
+        self.kept.append(s)
+        own = torch._C._construct_storage_from_data_pointer(s.data_ptr(), t.device, s.nbytes())
+        return torch.empty(0, dtype=t.dtype).set_(own, t.storage_offset(), t.shape, t.stride())
 
     def empty_cache(self):
         pass
@@ -658,6 +663,67 @@ def test_backend_replays_graphs_and_never_overwrites_a_pending_backward(fake_cud
     assert sum(e[0] == "replay" for e in fake_cuda.log) > replays  # the first forward still replayed
     fxb.reset()  # releases the graphs
     assert fake_cuda.resets == len(fake_cuda.graphs) and sg.summary()["graphs"] == 0
+    torch._dynamo.reset()
+
+
+def test_backend_lends_gradients_and_moves_the_kept_ones_off_graph_memory(fake_cuda):
+    """The backend hands its graphed gradients to autograd without a copy (a loan, ended
+    before the graphs run again): accumulated over microbatches they equal eager's bitwise
+    and no loan is copied. A gradient something keeps past its use (a tensor hook's list,
+    ``torch.autograd.grad``'s result) is moved onto a copy before the next replay would
+    overwrite it; a kept view of one raises, naming the parameter."""
+    import fxoverlap.backend as fxb
+
+    mbs = _batches(3, 256, seed=21)
+    model = _model("capacity")
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = []
+    for tokens, labels in mbs:
+        model(tokens, labels).backward()
+        ref.append(_grads(model))
+    for tokens, labels in mbs:
+        model(tokens, labels).backward()
+    ref_sum = _grads(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxoverlap", mode="reduce-overhead")
+    for _ in range(2):  # the first call captures, the second replays
+        for tokens, labels in mbs:
+            compiled(tokens, labels).backward()
+        got = _grads(model)
+        assert all(torch.equal(got[k], ref_sum[k]) for k in ref_sum)
+    (sg,) = fake_cuda.made
+    assert sg.loans_copied == 0
+    names = {id(p): k for k, p in model.named_parameters()}
+
+    kept: list[dict] = [{} for _ in mbs]
+    current = [0]
+    handles = [p.register_hook(lambda g, k=names[id(p)]: kept[current[0]].__setitem__(k, g)) for p in params]
+    for i, (tokens, labels) in enumerate(mbs):
+        current[0] = i
+        compiled(tokens, labels).backward()
+        _grads(model)
+    for h in handles:
+        h.remove()
+    compiled(*mbs[0]).backward()  # the graphs run again: the last microbatch's kept gradients too
+    _grads(model)
+    for i, want in enumerate(ref):
+        assert kept[i].keys() == want.keys()
+        assert all(torch.equal(kept[i][k], want[k]) for k in want), i
+    assert sg.loans_copied >= len(mbs)  # (without the move, the fake's replays overwrite what the hook kept)
+
+    grads = torch.autograd.grad(compiled(*mbs[1]), params)
+    compiled(*mbs[2]).backward()
+    _grads(model)
+    assert all(torch.equal(g, ref[1][names[id(p)]]) for g, p in zip(grads, params))
+
+    views = []
+    handles = [p.register_hook(lambda g: views.append(g.view(-1))) for p in params]
+    compiled(*mbs[0]).backward()
+    for h in handles:
+        h.remove()
+    with pytest.raises(cg.GraphReplayError, match=r"a view of the gradient \S+ of \S+ .* is still held"):
+        compiled(*mbs[1]).backward()
+    fxb.reset()
     torch._dynamo.reset()
 
 
