@@ -21,6 +21,14 @@ GRAD_REDUCE_MODES = ("all_reduce", "reduce_scatter")
 EXPERT_DTYPES = ("fp8_rowwise",)
 # OverlapConfig(chunks=None) on CUDA (docs/benchmarks.md, "Chunks", has the measurement behind it).
 DEFAULT_CUDA_CHUNKS = 2
+# ... and where a program runs one microbatch per call (the torch.compile backend, pipeline stages),
+# only the layers whose forward dispatch sends at least this many bytes a microbatch. Measured with
+# the backend, emulated EP 8 at 100 GB/s: at the peer's shape (268 MB a dispatch) chunks 2 made the
+# step 1.19x torch.compile's against 1.05x with chunks 1 (H100); at the Qwen3-30B-A3B (67 MB) and
+# DeepSeek-V3 MLA (50 MB) layer shapes chunks 1 was the faster: 1.007 / 0.974x against 0.965 / 0.967x
+# (H200), 1.005x against 0.85x (Qwen3, H100). The bound sits between (docs/benchmarks.md,
+# thirteenth, sixteenth and nineteenth sessions).
+DEFAULT_CUDA_ONE_MICROBATCH_MIN_CHUNK_EXCHANGE_BYTES = 128 * 2**20
 # OverlapConfig(delay_wgrad=None) on CUDA: measured 2-4 % faster steps with the weight gradients
 # split off (expert_wgrad_slot=2), docs/benchmarks.md "where the merged steps lose time".
 DEFAULT_CUDA_DELAY_WGRAD = True
@@ -213,7 +221,10 @@ class OverlapConfig:
             losses, the loss) still runs once on all of them, and each expert's rows stay in
             one chunk, so the weight gradients are eager's sums. ``1``: off. ``None``:
             :data:`DEFAULT_CUDA_CHUNKS` on CUDA, 1 on CPU (where nothing overlaps; the CPU
-            results stay bitwise eager's). Cut: fxoverlap's ``dispatch``/``combine``, and
+            results stay bitwise eager's); where a program runs one microbatch per call (the
+            backend, pipeline stages) the default cuts only layers whose dispatch sends at least
+            :data:`DEFAULT_CUDA_ONE_MICROBATCH_MIN_CHUNK_EXCHANGE_BYTES` (smaller exchanges
+            measured faster unchunked). Cut: fxoverlap's ``dispatch``/``combine``, and
             torch's functional ``all_to_all_single`` with host split sizes, as torchtitan's
             ``AllToAllTokenDispatcher`` traces (``passes/chunk_functional.py``). A layer whose
             exchange is neither (token-once, the static dispatchers, DeepEP), or whose experts
@@ -392,6 +403,14 @@ class OverlapConfig:
         if self.chunks is not None:
             return self.chunks
         return DEFAULT_CUDA_CHUNKS if device_type == "cuda" else 1
+
+    def resolved_min_chunk_exchange_bytes(self, device_type: str, one_microbatch: bool) -> int:
+        """Below how many bytes a forward dispatch sends a layer stays whole although
+        :meth:`resolved_chunks` > 1 (0: every layer is cut): the per-device default's, in
+        programs that run ``one_microbatch`` per call; a set ``chunks`` cuts every layer."""
+        if self.chunks is not None or device_type != "cuda" or not one_microbatch:
+            return 0
+        return DEFAULT_CUDA_ONE_MICROBATCH_MIN_CHUNK_EXCHANGE_BYTES
 
     def resolved_delay_wgrad(self, device_type: str) -> bool:
         """Whether the backward's weight gradients are split off on ``device_type``."""

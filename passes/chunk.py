@@ -48,7 +48,11 @@ Steps
    experts are row-wise (:func:`_row_wise`); a layer that is not is put back
    (the pass reruns on the original graph without it).
 
-Entry point: ``chunk(gm, chunks) -> Chunking``. After ``split``, :func:`with_whole_chains` joins
+``min_exchange_bytes`` (the per-device default where a program runs one microbatch per call,
+``OverlapConfig.resolved_min_chunk_exchange_bytes``) also leaves whole a layer whose forward
+dispatch sends fewer bytes: there the chunks cost more than they hide (measured, config.py).
+
+Entry point: ``chunk(gm, chunks, static, min_exchange_bytes) -> Chunking``. After ``split``, :func:`with_whole_chains` joins
 the stages of the cut graph and of the graph before the cut (whose whole chains the microbatches
 of the merged steps run: ``OverlapConfig.chunks_in_merged_steps``).
 """
@@ -414,15 +418,41 @@ def _descendants(n: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
-def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset()) -> Chunking:
+def _sent_bytes(dispatches: list[torch.fx.Node]) -> int | None:
+    """What a layer's forward dispatch sends, in bytes (None: not known at compile time)."""
+    for n in dispatches:
+        if n.op == "call_function" and n.args and isinstance(n.args[0], torch.fx.Node):
+            val = n.args[0].meta.get("val")
+            if isinstance(val, torch.Tensor):
+                try:
+                    return int(val.numel()) * val.element_size()
+                except (TypeError, RuntimeError):  # a data-dependent row count
+                    return None
+    return None
+
+
+def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset(),
+          min_exchange_bytes: int = 0) -> Chunking:
     """Cut every layer that can be cut into ``chunks`` chunks along its local experts.
     ``static``: the placeholders of parameters and buffers (values read by the experts that
-    come from them alone, e.g. a transposed weight, are shared by every chunk)."""
+    come from them alone, e.g. a transposed weight, are shared by every chunk).
+    ``min_exchange_bytes``: leave whole a layer whose forward dispatch sends fewer bytes."""
     from fxoverlap.passes import chunk_functional  # it builds on this module's helpers
 
     if chunks <= 1:
         return Chunking(gm, 1, [], {})
     skipped: dict[int, str] = {}
+    if min_exchange_bytes > 0:
+        by_layer: dict[int, list[torch.fx.Node]] = {}
+        for n in gm.graph.nodes:
+            if (t := _tag(n)) is not None and t.direction is F and t.kind is K.DISPATCH:
+                by_layer.setdefault(t.layer, []).append(n)
+        for layer, nodes in sorted(by_layer.items()):
+            sent = _sent_bytes(nodes)
+            if sent is not None and sent < min_exchange_bytes:
+                skipped[layer] = (f"its dispatch sends {sent / 2**20:.0f} MiB a microbatch, under the "
+                                  f"{min_exchange_bytes / 2**20:.0f} MiB from which chunks paid with one microbatch "
+                                  f"per call (a set OverlapConfig.chunks cuts it anyway)")
     while True:
         out = copy.deepcopy(gm)
         by_tag: dict[tuple, list[torch.fx.Node]] = {}

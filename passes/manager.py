@@ -135,7 +135,8 @@ def _rng(st: PassState) -> None:
 
 
 def _chunk(st: PassState) -> None:
-    cut = chunk(st.graph, st.config.resolved_chunks(st.device_type), st.capture.static_placeholders)
+    cut = chunk(st.graph, st.config.resolved_chunks(st.device_type), st.capture.static_placeholders,
+                st.config.resolved_min_chunk_exchange_bytes(st.device_type, st.one_microbatch))
     if cut.layers and not st.one_microbatch and not st.config.chunks_in_merged_steps:
         st.whole_graph = st.graph  # chunk cut a copy
     st.graph = cut.graph

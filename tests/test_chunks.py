@@ -503,3 +503,36 @@ def test_chunk_joins_weight_gradients_only_for_groups_in_expert_order(offsets, j
     recv_counts = next(iter(gm.graph.nodes))
     wgrad = next(n for n in gm.graph.nodes if n.target is GROUPED_MM_WGRAD_OP)
     assert _wgrad_of_local_experts(wgrad, recv_counts, local) is joined
+
+
+def test_small_exchanges_stay_whole_where_one_microbatch_runs(monkeypatch):
+    """The CUDA default where a program runs one microbatch per call (the backend): a layer
+    whose forward dispatch sends fewer bytes than the measured bound stays whole, and the
+    compile log says why; a set ``chunks`` cuts every layer. The pass reads the bytes from the
+    dispatch's input: the microbatch's tokens times top-k rows of the model's width."""
+    from fxoverlap.config import DEFAULT_CUDA_ONE_MICROBATCH_MIN_CHUNK_EXCHANGE_BYTES as BOUND
+    from fxoverlap.models import MoEConfig, MoETransformer
+    from fxoverlap.passes import chunk as chunk_pass
+    from fxoverlap.testing import token_batches
+
+    cfg = fxoverlap.OverlapConfig()
+    assert cfg.resolved_min_chunk_exchange_bytes("cuda", one_microbatch=True) == BOUND > 0
+    assert cfg.resolved_min_chunk_exchange_bytes("cuda", one_microbatch=False) == 0
+    assert cfg.resolved_min_chunk_exchange_bytes("cpu", one_microbatch=True) == 0
+    assert fxoverlap.OverlapConfig(chunks=2).resolved_min_chunk_exchange_bytes("cuda", one_microbatch=True) == 0
+
+    mcfg = MoEConfig.tiny(n_layers=2, n_experts=8)
+    tokens = token_batches(mcfg.vocab_size, 1, (2, 8))
+    sent: list[int | None] = []
+    real = chunk_pass._sent_bytes
+    monkeypatch.setattr(chunk_pass, "_sent_bytes", lambda nodes: sent.append(real(nodes)) or sent[-1])
+    for bound, cut in ((1, True), (2**40, False)):
+        monkeypatch.setattr(fxoverlap.OverlapConfig, "resolved_min_chunk_exchange_bytes",
+                            lambda self, device_type, one_microbatch, b=bound: b)
+        torch.manual_seed(0)
+        engine = fxoverlap.optimize(MoETransformer(mcfg), None, fxoverlap.OverlapConfig(compiler="eager", chunks=2))
+        names = {s.name for s in engine.plan([tuple(t) for t in tokens]).stages}
+        assert ("fwd_l0_experts_c0" in names and "fwd_l1_experts_c1" in names) is cut, names
+        assert any(n.endswith("_c0") for n in names) is cut
+        engine.close()
+    assert sent and set(sent) == {2 * 8 * mcfg.top_k * mcfg.dim * 4}, sent  # fp32 rows

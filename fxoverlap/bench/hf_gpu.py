@@ -300,6 +300,11 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
         import fxoverlap.backend as fxb
 
         stages = fxb.last_stages()
+        graphs = getattr(fxb.last_compiled(), "runner", None)
+        if graphs is not None and graphs.cuda_graphs is not None:  # loans_copied: gradients kept past their use
+            row["cuda_graphs"] = graphs.cuda_graphs.summary()
+    elif engine is not None:
+        row["cuda_graphs"] = engine.cuda_graph_summary()
     if stages is not None:
         row["runs_as"] = sorted({s.runs_as for s in stages})
         row["stage_routes"] = dict(collections.Counter(stage_route(s) for s in stages))
