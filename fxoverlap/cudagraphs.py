@@ -394,20 +394,23 @@ class StageGraphs:
         if not self._loans:
             return
         loans, self._loans = self._loans, []
+        viewed = []
         for loan in loans:
             held = _holders(loan)
             if held == _UNHELD:
                 continue
             self.loans_copied += 1
-            t = loan.tensor
             if held[2] > _UNHELD[2]:
-                raise GraphReplayError(
-                    f"cudagraph: a view of {loan.name} (graph memory lent to the caller as a gradient) is still "
-                    f"held as its CUDA graphs are about to run again, which would overwrite it; clone it where it is "
-                    f"kept (e.g. `g.clone()` in a tensor hook) or run with cuda_graphs=False")
+                viewed.append(loan.name)
+            t = loan.tensor
             with torch.no_grad(), copy_label(GRAPH_GRADIENT):
-                t.set_(t.clone())
+                t.set_(t.clone())  # (a view keeps the old storage: only the tensor itself moves)
             log.debug("fxoverlap cudagraph: %s was held past its use; moved off graph memory", loan.name)
+        if viewed:
+            raise GraphReplayError(
+                f"cudagraph: a view of {', '.join(viewed)} (graph memory lent to the caller as a gradient) is still "
+                f"held as its CUDA graphs are about to run again, which would overwrite it; clone it where it is kept "
+                f"(e.g. `g.clone()` in a tensor hook) or run with cuda_graphs=False")
 
     def _wait_readers(self, copy: int) -> None:
         events = self._pending.pop(copy, None)

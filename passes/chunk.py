@@ -419,16 +419,21 @@ def _descendants(n: torch.fx.Node) -> set[torch.fx.Node]:
 
 
 def _sent_bytes(dispatches: list[torch.fx.Node]) -> int | None:
-    """What a layer's forward dispatch sends, in bytes (None: not known at compile time)."""
+    """What a layer's forward dispatch sends, in bytes: its largest exchange's input (a
+    functional dispatch exchanges its counts first); None where not known at compile time."""
+    from fxoverlap.passes import chunk_functional
+
+    sizes = []
     for n in dispatches:
-        if n.op == "call_function" and n.args and isinstance(n.args[0], torch.fx.Node):
+        if n.target in (DISPATCH_OP, chunk_functional.A2A) and isinstance(n.args[0], torch.fx.Node):
             val = n.args[0].meta.get("val")
-            if isinstance(val, torch.Tensor):
-                try:
-                    return int(val.numel()) * val.element_size()
-                except (TypeError, RuntimeError):  # a data-dependent row count
-                    return None
-    return None
+            if not isinstance(val, torch.Tensor):
+                return None
+            try:
+                sizes.append(int(val.numel()) * val.element_size())
+            except (TypeError, RuntimeError):  # a data-dependent row count
+                return None
+    return max(sizes, default=None)
 
 
 def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset(),
