@@ -306,6 +306,8 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
     elif engine is not None:
         row["cuda_graphs"] = engine.cuda_graph_summary()
     if stages is not None:
+        # chunks_resolved is the count; which layers it cut (the one-microbatch default leaves small exchanges whole)
+        row["chunked_layers"] = sorted({s.layer for s in stages if s.chunk is not None})
         row["runs_as"] = sorted({s.runs_as for s in stages})
         row["stage_routes"] = dict(collections.Counter(stage_route(s) for s in stages))
     dist.destroy_process_group()
