@@ -536,3 +536,33 @@ def test_small_exchanges_stay_whole_where_one_microbatch_runs(monkeypatch):
         assert any(n.endswith("_c0") for n in names) is cut
         engine.close()
     assert sent and set(sent) == {2 * 8 * mcfg.top_k * mcfg.dim * 4}, sent  # fp32 rows
+
+
+def test_sent_bytes_reads_the_rows_exchange():
+    """The one-microbatch chunk rule's size: the largest exchange input of the layer's forward
+    dispatch (torchtitan's functional dispatch first exchanges its per-expert counts, then the
+    rows), from the fake values; unknown where a row count is data-dependent."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fxoverlap.ops import DISPATCH_OP
+    from fxoverlap.passes import chunk as chunk_pass
+    from fxoverlap.passes import chunk_functional
+
+    g = torch.fx.Graph()
+    counts, rows, other = g.placeholder("counts"), g.placeholder("rows"), g.placeholder("other")
+    with FakeTensorMode():
+        counts.meta["val"] = torch.empty(64, dtype=torch.int64)
+        rows.meta["val"] = torch.empty(1024, 256, dtype=torch.bfloat16)
+        other.meta["val"] = torch.empty(10**6)
+    view = g.call_function(torch.ops.aten.view.default, (other, [-1]))  # not an exchange: not counted
+    a = g.call_function(chunk_functional.A2A, (counts, [1], [1], "0"))
+    b = g.call_function(chunk_functional.A2A, (rows, [1], [1], "0"))
+    assert chunk_pass._sent_bytes([view, a, b]) == 1024 * 256 * 2
+    d = g.call_function(DISPATCH_OP, (rows, counts, None))
+    assert chunk_pass._sent_bytes([d]) == 1024 * 256 * 2
+    assert chunk_pass._sent_bytes([view]) is None
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        n = mode.shape_env.create_unbacked_symint()
+        rows.meta["val"] = torch.empty(n, 256)
+    assert chunk_pass._sent_bytes([d]) is None
