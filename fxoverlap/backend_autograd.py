@@ -200,6 +200,10 @@ class _CompiledProgram:
         self._static_src = [(ph, self.index_of[fqn]) for ph, fqn in capture_.param_placeholders.items()]
         self._buffers = {ph: wrapper.get_buffer(fqn) for ph, fqn in capture_.buffer_placeholders.items()}
         self._input_src = list(wrapper.plain_index)
+        names = [n.name for n in gm.graph.find_nodes(op="placeholder")]  # Dynamo's, from the sources
+        self.runner.value_names.update(
+            (v, f"the gradient of graph input {self.index_of[fqn]} ({names[self.index_of[fqn]]})")
+            for v, fqn in capture_.grads.items() if fqn in self.index_of)
 
     @property
     def holds_graphs(self) -> bool:

@@ -408,7 +408,8 @@ class StageGraphs:
             log.debug("fxoverlap cudagraph: %s was held past its use; moved off graph memory", loan.name)
         if viewed:
             raise GraphReplayError(
-                f"cudagraph: a view of {', '.join(viewed)} (graph memory lent to the caller as a gradient) is still "
+                f"cudagraph: a view of {', '.join(viewed[:3])}{f' and {len(viewed) - 3} more' if len(viewed) > 3 else ''} "
+                f"(graph memory lent to the caller as a gradient) is still "
                 f"held as its CUDA graphs are about to run again, which would overwrite it; clone it where it is kept "
                 f"(e.g. `g.clone()` in a tensor hook) or run with cuda_graphs=False")
 

@@ -317,6 +317,8 @@ class ProgramRunner:
         self.stages = {s.name: s for s in stages}
         self.grads = grads
         self.cuda_graphs = cuda_graphs
+        # what messages call a value (the backend names its parameters' gradients by its graph's inputs)
+        self.value_names: dict[str, str] = {}
         self.record_memory = record_memory
         self.hook = hook
         self.reducer = reducer
@@ -777,7 +779,8 @@ class ProgramRunner:
             graphs, store, out = self.cuda_graphs, state.stores[mb], state.outputs[mb]
             for v in values:
                 if (mb, v) in state.graph_owned:  # copied only if the caller keeps it (cudagraphs.py)
-                    out[v] = graphs.lend(store[v], f"the gradient {v} of {self.capture.grads.get(v, v)}")
+                    out[v] = graphs.lend(store[v], self.value_names.get(v)
+                                         or f"the gradient {v} of {self.capture.grads.get(v, v)}")
                 else:
                     out[v] = store[v].detach()
             return
