@@ -23,11 +23,12 @@ EXPERT_DTYPES = ("fp8_rowwise",)
 DEFAULT_CUDA_CHUNKS = 2
 # ... and where a program runs one microbatch per call (the torch.compile backend, pipeline stages),
 # only the layers whose forward dispatch sends at least this many bytes a microbatch. Measured with
-# the backend, emulated EP 8 at 100 GB/s: at the peer's shape (268 MB a dispatch) chunks 2 made the
-# step 1.19x torch.compile's against 1.05x with chunks 1 (H100); at the Qwen3-30B-A3B (67 MB) and
-# DeepSeek-V3 MLA (50 MB) layer shapes chunks 1 was the faster: 1.007 / 0.974x against 0.965 / 0.967x
+# the backend, emulated EP 8 at 100 GB/s: at the peer's shape (256 MiB a dispatch) chunks 2 made the
+# step 1.19x torch.compile's against 1.05x with chunks 1 (H100); at the Qwen3-30B-A3B (64 MiB) and
+# DeepSeek-V3 MLA (48 MiB) layer shapes chunks 1 was the faster: 1.007 / 0.974x against 0.965 / 0.967x
 # (H200), 1.005x against 0.85x (Qwen3, H100). The bound sits between (docs/benchmarks.md,
-# thirteenth, sixteenth and nineteenth sessions).
+# thirteenth, sixteenth and nineteenth sessions). Measured in training; the backend's forward-only
+# calls follow the same rule unmeasured.
 DEFAULT_CUDA_ONE_MICROBATCH_MIN_CHUNK_EXCHANGE_BYTES = 128 * 2**20
 # OverlapConfig(delay_wgrad=None) on CUDA: measured 2-4 % faster steps with the weight gradients
 # split off (expert_wgrad_slot=2), docs/benchmarks.md "where the merged steps lose time".
