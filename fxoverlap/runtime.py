@@ -538,6 +538,8 @@ class ProgramRunner:
         backward's ``"input_grads"`` then ``"weight_grads"`` part (a program scheduled with
         ``weight_last``: a ZeroBubble schedule's B and W), or the span ``(lo, hi)`` of it
         that one of :meth:`grad_segments` names."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.reclaim()  # before any replay: the gradients lent by the last run
         split = self._spans["backward"][0]
         lo, hi = self._spans[part] if isinstance(part, str) else part
         self._on_error = on_error
@@ -551,8 +553,6 @@ class ProgramRunner:
                 # the backward starts: its comm work follows what came before it
                 self.streams[StreamKind.COMM].wait_stream(self.streams[StreamKind.COMP])
         self._state = state
-        if self.cuda_graphs is not None:
-            self.cuda_graphs.reclaim()  # before any replay: the gradients lent by the last run
         # no comm kernel runs beside the experts (one rank, no emulated link): nothing to leave SMs to.
         # (A CUDA-graphed experts stage keeps the carveout of the run that captured it.)
         # (asked only where there is a carveout to set: the question resolves the EP groups)
