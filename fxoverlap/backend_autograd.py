@@ -417,12 +417,13 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs, config: OverlapConfig
             "fxoverlap.optimize makes and the torch.compile backend does not; use the worst-case "
             "capacity (the default) under torch.compile, or fxoverlap.optimize")
     cap, wrapper = capture_graph(gm, example_inputs, config.layer_container, train)
+    # before the passes: a piece of a layer fails them with a reason that hides the graph break
+    if cap.num_layers == 0 and has_all_to_all(gm) and (hint := graph_break_hint()) is not None:
+        raise BackendUnsupported(f"no decoder layer in this graph; {hint}")
     device = next((t.device for t in example_inputs if t.requires_grad), example_inputs[0].device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # tag's "no layers found" is reported below
         stages = build_stages(cap, config, device.type, train, one_microbatch=True)
-    if cap.num_layers == 0 and has_all_to_all(gm) and (hint := graph_break_hint()) is not None:
-        raise BackendUnsupported(f"no decoder layer in this graph; {hint}")
     graphs = GraphCache(config.cuda_graphs)
     compiled = compile_program(cap, stages, config, ProgramSpec(1, forward_only=not train,
                                                                 weight_last=weight_last and train),

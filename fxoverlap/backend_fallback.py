@@ -5,8 +5,10 @@ Anything the backend cannot handle (dynamic-shape graph inputs, a graph output t
 tensor, no output needing grad, a differentiable output without a tangent that cannot be rebuilt
 from its base, a capture/tag/split error: :data:`FALLBACK_ERRORS`) falls back with a
 :class:`FallbackWarning` (also logged). When Dynamo broke the graph at a host read (split sizes
-from ``.tolist()``, :func:`host_read_breaks`), a graph without a whole decoder layer falls back
-with a warning that names the break and the fixes (:func:`graph_break_hint`).
+from ``.tolist()``, :func:`host_read_breaks`) or at an op with a data-dependent output size
+(dropless routing's dispatch without ``capture_dynamic_output_shape_ops``, :func:`dynamic_output_breaks`),
+a graph without a whole decoder layer falls back with a warning that names the break and the fixes
+(:func:`graph_break_hint`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch.fx.experimental.symbolic_shapes
 
 from fxoverlap.ir.errors import FxOverlapError
 
-__all__ = ["FALLBACK_ERRORS", "BackendUnsupported", "FallbackWarning", "fallback", "graph_break_hint",
-           "has_all_to_all", "host_read_breaks"]
+__all__ = ["FALLBACK_ERRORS", "BackendUnsupported", "FallbackWarning", "dynamic_output_breaks", "fallback",
+           "graph_break_hint", "has_all_to_all", "host_read_breaks"]
 
 log = logging.getLogger("fxoverlap.backend")
 
@@ -49,17 +51,35 @@ def fallback(gm: torch.fx.GraphModule, reason: str):
 _HOST_READ = re.compile(r"_local_scalar_dense|tolist|\.item\(|data.dependent", re.IGNORECASE)
 
 
-def host_read_breaks() -> list[str]:
-    """The first lines of the graph-break reasons Dynamo recorded in this process that are
-    host reads of tensor values (split sizes from ``.tolist()``, a scalar from ``.item()``)."""
+# ... and at an op whose output size depends on tensor data (dropless routing's ``fxoverlap::dispatch``),
+# which Dynamo traces only with ``capture_dynamic_output_shape_ops`` on
+_DYNAMIC_OUTPUT = re.compile(r"output shape depends on input Tensor data|capture_dynamic_output_shape_ops")
+
+
+def _breaks(dynamic_output: bool) -> list[str]:
+    """The first lines of the graph-break reasons Dynamo recorded in this process at ops with
+    data-dependent output sizes (``dynamic_output``) or else at host reads, each with the op
+    Dynamo names (``at <op>``) where it names one."""
     from torch._dynamo.utils import counters
 
     out = []
     for reason in counters.get("graph_break", {}):
-        if _HOST_READ.search(reason):
+        if (_DYNAMIC_OUTPUT.search(reason) is not None) is dynamic_output and (
+                dynamic_output or _HOST_READ.search(reason)):
             ctx = re.search(r"Developer debug context:\s*(\S+)", reason)
             out.append(reason.strip().splitlines()[0] + (f" at {ctx.group(1)}" if ctx else ""))
     return out
+
+
+def host_read_breaks() -> list[str]:
+    """The graph breaks Dynamo recorded in this process at host reads of tensor values (split
+    sizes from ``.tolist()``, a scalar from ``.item()``)."""
+    return _breaks(dynamic_output=False)
+
+
+def dynamic_output_breaks() -> list[str]:
+    """The graph breaks Dynamo recorded in this process at ops with data-dependent output sizes."""
+    return _breaks(dynamic_output=True)
 
 
 def has_all_to_all(gm: torch.fx.GraphModule) -> bool:
@@ -69,18 +89,28 @@ def has_all_to_all(gm: torch.fx.GraphModule) -> bool:
 
 
 def graph_break_hint() -> str | None:
-    """Why a graph holds no whole decoder layer when Dynamo broke graphs at host reads, and the fix."""
-    breaks = host_read_breaks()
-    if not breaks:
+    """Why a graph holds no whole decoder layer when Dynamo broke graphs at ops with
+    data-dependent output sizes or at host reads, and the fixes (each kind found)."""
+    parts = []
+    if dynamic := dynamic_output_breaks():
+        parts.append(
+            f"Dynamo broke the graph at an op whose output size depends on tensor data ({dynamic[0]!r}: e.g. "
+            f"dropless routing's fxoverlap::dispatch), which it traces only with "
+            f"torch._dynamo.config.capture_dynamic_output_shape_ops on: call fxoverlap.enable_dynamic_output_shapes() "
+            f"once before torch.compile (or patch that flag around the first call)")
+    if breaks := host_read_breaks():
+        parts.append(
+            f"Dynamo broke the graph at a host read of a tensor value ({breaks[0]!r}: e.g. all-to-all split sizes "
+            f"from .tolist()): torch._dynamo.config.capture_scalar_outputs = True keeps the host read inside the "
+            f"graph, or fxoverlap's dispatch/combine ops (fxoverlap.ops) with a static, sync-free dispatcher "
+            f"read no split sizes on the host")
+    if not parts:
         return None
     return (
-        f"a graph break split the decoder layers: Dynamo broke the graph at a host read of a tensor value "
-        f"({breaks[0]!r}: e.g. all-to-all split sizes from .tolist()), so each graph holds a piece of a layer, "
-        f"and no graph a whole layer with its all-to-alls to overlap. Fixes: fxoverlap's dispatch/combine ops "
-        f"(fxoverlap.ops) with a static, sync-free dispatcher (OverlapConfig(dispatcher='padded' | 'symm_mem'), "
-        f"torch.compile(..., options={{'dispatcher': 'padded'}})), which read no split sizes on the host; "
-        f"torch._dynamo.config.capture_scalar_outputs = True, which keeps the host read inside the graph; "
-        f"or fxoverlap.optimize(model, ep_group), which traces the whole step without graph breaks"
+        f"a graph break split the decoder layers, so each graph holds a piece of a layer, and no graph a whole "
+        f"layer with its all-to-alls to overlap: {'; and '.join(parts)}. Other fixes: a static, sync-free "
+        f"dispatcher (OverlapConfig(dispatcher='padded' | 'symm_mem'), torch.compile(..., options={{'dispatcher': "
+        f"'padded'}})); or fxoverlap.optimize(model, ep_group), which traces the whole step without graph breaks"
     )
 
 

@@ -408,6 +408,43 @@ def test_import_leaves_dynamo_alone_and_the_entry_point_compiles():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_graph_break_at_dropless_dispatch_is_named_with_the_fix():
+    """Dropless routing through the backend without ``capture_dynamic_output_shape_ops``: Dynamo
+    breaks every layer at ``fxoverlap::dispatch`` (its output size depends on the routing); the
+    piece holding a layer's exchange falls back with a warning that names the break and
+    ``fxoverlap.enable_dynamic_output_shapes()`` (not a pass's error about the piece), and the
+    step still equals eager's."""
+    import torch._dynamo.config as dcfg
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig.tiny(n_layers=2, routing="dropless"))
+    tokens, labels = token_batches(256, 1)[0]
+    want = model(tokens, labels)
+    want.backward()
+    ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    saved = counters.pop("graph_break", None)  # the hint reads this process's graph breaks: only this test's
+    try:
+        with dcfg.patch(capture_dynamic_output_shape_ops=False), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", fxb.FallbackWarning)
+            got = torch.compile(model, backend="fxoverlap")(tokens, labels)
+            got.backward()
+    finally:
+        torch._dynamo.reset()
+        counters.pop("graph_break", None)
+        if saved is not None:
+            counters["graph_break"] = saved
+    fell_back = [str(w.message) for w in caught if issubclass(w.category, fxb.FallbackWarning)]
+    named = [m for m in fell_back if "a graph break split the decoder layers" in m]
+    assert named, fell_back
+    assert all("fxoverlap.dispatch" in m and "fxoverlap.enable_dynamic_output_shapes()" in m for m in named)
+    assert not any("DispatcherError" in m for m in fell_back), fell_back
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert all(torch.allclose(p.grad, ref[k], rtol=1e-4, atol=1e-6) for k, p in model.named_parameters())
+
+
 def test_enable_dynamic_output_shapes_keeps_a_value_the_user_set():
     import torch._dynamo.config as dcfg
 
