@@ -56,16 +56,22 @@ _HOST_READ = re.compile(r"_local_scalar_dense|tolist|\.item\(|data.dependent", r
 _DYNAMIC_OUTPUT = re.compile(r"output shape depends on input Tensor data|capture_dynamic_output_shape_ops")
 
 
-def _breaks(dynamic_output: bool) -> list[str]:
-    """The first lines of the graph-break reasons Dynamo recorded in this process at ops with
-    data-dependent output sizes (``dynamic_output``) or else at host reads, each with the op
-    Dynamo names (``at <op>``) where it names one."""
+def _break_kind(reason: str) -> str | None:
+    """``"dynamic_output"``, ``"host_read"`` or None: which of the breaks the hint names a Dynamo
+    graph-break reason is."""
+    if _DYNAMIC_OUTPUT.search(reason):
+        return "dynamic_output"
+    return "host_read" if _HOST_READ.search(reason) else None
+
+
+def _breaks(kind: str) -> list[str]:
+    """The first lines of the graph-break reasons of ``kind`` Dynamo recorded in this process, each
+    with the op Dynamo names (``at <op>``) where it names one."""
     from torch._dynamo.utils import counters
 
     out = []
     for reason in counters.get("graph_break", {}):
-        if (_DYNAMIC_OUTPUT.search(reason) is not None) is dynamic_output and (
-                dynamic_output or _HOST_READ.search(reason)):
+        if _break_kind(reason) == kind:
             ctx = re.search(r"Developer debug context:\s*(\S+)", reason)
             out.append(reason.strip().splitlines()[0] + (f" at {ctx.group(1)}" if ctx else ""))
     return out
@@ -74,12 +80,12 @@ def _breaks(dynamic_output: bool) -> list[str]:
 def host_read_breaks() -> list[str]:
     """The graph breaks Dynamo recorded in this process at host reads of tensor values (split
     sizes from ``.tolist()``, a scalar from ``.item()``)."""
-    return _breaks(dynamic_output=False)
+    return _breaks("host_read")
 
 
 def dynamic_output_breaks() -> list[str]:
     """The graph breaks Dynamo recorded in this process at ops with data-dependent output sizes."""
-    return _breaks(dynamic_output=True)
+    return _breaks("dynamic_output")
 
 
 def has_all_to_all(gm: torch.fx.GraphModule) -> bool:

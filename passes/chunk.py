@@ -68,7 +68,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxoverlap.ir.errors import FxOverlapError
-from fxoverlap.ir.meta import RNG_ORDER_KEY, TAG_KEY, op_name
+from fxoverlap.ir.meta import RNG_ORDER_KEY, TAG_KEY, nodes_by_tag, op_name
 from fxoverlap.ir.stage import MOE_CHAIN_KINDS, Direction, Stage, StageKind, Tag
 from fxoverlap.kernels import a2a
 from fxoverlap.ops import (COMBINE_CHUNK_OP, COMBINE_OP, DISPATCH_CHUNK_OP, DISPATCH_OP, GROUPED_MM_WGRAD_OP,
@@ -448,11 +448,9 @@ def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset(),
         return Chunking(gm, 1, [], {})
     skipped: dict[int, str] = {}
     if min_exchange_bytes > 0:
-        by_layer: dict[int, list[torch.fx.Node]] = {}
-        for n in gm.graph.nodes:
-            if (t := _tag(n)) is not None and t.direction is F and t.kind is K.DISPATCH:
-                by_layer.setdefault(t.layer, []).append(n)
-        for layer, nodes in sorted(by_layer.items()):
+        for (direction, layer, kind), nodes in nodes_by_tag(gm.graph).items():
+            if direction is not F or kind is not K.DISPATCH:
+                continue
             sent = _sent_bytes(nodes)
             if sent is not None and sent < min_exchange_bytes:
                 skipped[layer] = (f"its dispatch sends {sent / 2**20:.0f} MiB a microbatch, under the "
@@ -460,10 +458,7 @@ def chunk(gm: torch.fx.GraphModule, chunks: int, static: set[str] = frozenset(),
                                   f"per call (a set OverlapConfig.chunks cuts it anyway)")
     while True:
         out = copy.deepcopy(gm)
-        by_tag: dict[tuple, list[torch.fx.Node]] = {}
-        for n in out.graph.nodes:
-            if (t := _tag(n)) is not None:
-                by_tag.setdefault((t.direction, t.layer, t.kind), []).append(n)
+        by_tag = nodes_by_tag(out.graph)
         layers = sorted({t.layer for n in out.graph.nodes if (t := _tag(n)) is not None and t.kind is K.DISPATCH})
         cut = []
         for layer in layers:

@@ -35,17 +35,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxoverlap.ir.meta import TAG_KEY, computes
+from fxoverlap.ir.meta import TAG_KEY, computes, nodes_by_tag
 from fxoverlap.ir.stage import MOE_CHAIN_KINDS, Direction, Part, StageKind, Tag
-
-
-def _groups(gm: torch.fx.GraphModule) -> dict[tuple, list[torch.fx.Node]]:
-    out: dict[tuple, list[torch.fx.Node]] = {}
-    for n in gm.graph.nodes:
-        t = n.meta.get(TAG_KEY)
-        if t is not None:
-            out.setdefault((t.direction, t.layer, t.kind), []).append(n)
-    return out
 
 
 def _forward_side(attn: list[torch.fx.Node], dispatch: list[torch.fx.Node]) -> list[torch.fx.Node]:
@@ -71,7 +62,7 @@ def _backward_early(attn: list[torch.fx.Node], layer: int) -> list[torch.fx.Node
 
 
 def side(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    groups = _groups(gm)
+    groups = nodes_by_tag(gm.graph)
     for (direction, layer, kind), nodes in groups.items():
         if kind is not StageKind.ATTN or (direction, layer, StageKind.DISPATCH) not in groups:
             continue

@@ -300,9 +300,9 @@ def run_real_one(name: str, mode: str, iters: int, stage_options: dict | None = 
         import fxoverlap.backend as fxb
 
         stages = fxb.last_stages()
-        graphs = getattr(fxb.last_compiled(), "runner", None)
-        if graphs is not None and graphs.cuda_graphs is not None:  # loans_copied: gradients kept past their use
-            row["cuda_graphs"] = graphs.cuda_graphs.summary()
+        runner = getattr(fxb.last_compiled(), "runner", None)
+        if runner is not None and runner.cuda_graphs is not None:  # loans_copied: gradients kept past their use
+            row["cuda_graphs"] = runner.cuda_graphs.summary()
     elif engine is not None:
         row["cuda_graphs"] = engine.cuda_graph_summary()
     if stages is not None:

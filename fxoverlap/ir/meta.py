@@ -53,6 +53,15 @@ STEP_KEY = "fxoverlap_step"
 PROGRAM_KEY = "fxoverlap_program"
 
 
+def nodes_by_tag(graph: torch.fx.Graph) -> dict[tuple, list[torch.fx.Node]]:
+    """The tagged nodes of ``graph`` by ``(direction, layer, kind)`` of their tag, in graph order."""
+    out: dict[tuple, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        if (t := n.meta.get(TAG_KEY)) is not None:
+            out.setdefault((t.direction, t.layer, t.kind), []).append(n)
+    return out
+
+
 def custom(node: torch.fx.Node) -> dict:
     """The tracing-time annotations of ``node`` (empty when it has none)."""
     return node.meta.get("custom") or {}
