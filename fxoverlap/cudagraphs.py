@@ -38,7 +38,8 @@ comm stage's output), so they cost nothing; they make the rule independent of th
 
 Static inputs
 -------------
-Parameters and buffers are passed to the graph as they are (stable addresses; a
+Parameters and buffers, and any value over their memory (a weight's transpose that the
+forward saves for the backward), are passed to the graph as they are (stable addresses; a
 moved parameter is an error, not a silent stale read). A value that is the output of
 another graph of the same copy (the attn stage's output read by the backward attn
 stage of the same microbatch) is read in place: no buffer, no copy; at replay the
@@ -124,7 +125,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxoverlap.ir.meta import STEP_KEY
 from fxoverlap.ir.program import stage_calls, steps
-from fxoverlap.runtime import storage_key
+from fxoverlap.runtime import static_storage_keys, storage_key
 from fxoverlap.ir.stage import Stage
 from fxoverlap.ir.errors import FxOverlapError, InternalError
 from fxoverlap.kernels.copy_labels import GRAPH_GRADIENT, STATIC_INPUT, copy_label
@@ -266,7 +267,7 @@ class _Graph:
             elif kind == _STATIC:
                 if a.data_ptr() != s.data_ptr() or a.shape != s.shape or a.stride() != s.stride():
                     raise GraphReplayError(self._bad(
-                        i, a, s, "(a parameter or buffer) moved or changed shape since capture; call "
+                        i, a, s, "(a parameter or buffer, or a view of one) moved or changed shape since capture; call "
                                  "engine.close() to drop the captured graphs so they are captured anew"))
             elif a != s:
                 raise GraphReplayError(self._bad(i, a, s, "is a non-tensor value that changed since capture"))
@@ -285,6 +286,10 @@ class StageGraphs:
         self.device = device
         self.cuda = backend or CudaBackend()
         self.static_names = frozenset(static_names)
+        # the current run's parameters and buffers by placeholder (the runner sets it at each
+        # run's start): a capture reads them, and any view of them (``w.t()`` saved for the
+        # backward), in place
+        self.statics: dict = {}
         self.copies = in_flight_depth(program)
         self._graphs: dict[tuple[str, int], _Graph] = {}
         self.eager: dict[str, str] = {}  # stage name -> why it runs eagerly after all (capture-time)
@@ -433,10 +438,11 @@ class StageGraphs:
         # Captures happen in the first step only: settling there costs one wait each.
         self.cuda.settle(self.device)
         static_args, kinds, static_storage, copied = [], [], set(), []
+        static_keys = static_storage_keys(self.statics)
         for i, (name, a) in enumerate(zip(stage.inputs, args)):
             if not isinstance(a, torch.Tensor):
                 kind = _CONST
-            elif name in self.static_names:
+            elif name in self.static_names or storage_key(a) in static_keys:
                 kind = _STATIC
                 static_storage.add(storage_key(a))
             elif (hit := self._outs.get(a)) is not None and hit[0] == copy:

@@ -515,6 +515,8 @@ class ProgramRunner:
                     store[ph] = torch.ones(val.shape, dtype=val.dtype, device=self.device)
             stores.append(store)
         state = RunState(stores, [{} for _ in microbatches], grads=grads if grads is not None else self.grads)
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.statics = static  # what a capture may read in place (views of these too)
         if self.sharding is not None:
             self.sharding.begin(params)
         if self.reducer is not None:
