@@ -31,14 +31,16 @@ Steps
 -----
 1. Per stage: ``graphed`` = ``capturable``; log each stage left out and why.
 2. ``mode=None``: the largest value a graphed stage reads from an ungraphed stage's
-   outputs; above the bound, un-mark every stage.
+   outputs, views of the parameters and buffers (``static``) left out (a graph reads
+   those in place: ``fxoverlap.cudagraphs``); above the bound, un-mark every stage.
 
-Entry point: ``cudagraph(stages, mode=True) -> None``.
+Entry point: ``cudagraph(stages, mode=True, static=()) -> None``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -50,14 +52,14 @@ log = logging.getLogger("fxoverlap")
 AUTO_MAX_COPY_BYTES = 64 * 2**20
 
 
-def cudagraph(stages: list[Stage], mode: bool | None = True) -> None:
+def cudagraph(stages: list[Stage], mode: bool | None = True, static: Collection[str] = ()) -> None:
     for s in stages:
         s.graphed = bool(mode is not False and s.capturable)
         if mode is not False and not s.graphed:
             level = logging.INFO if s.stream is StreamKind.COMM else logging.WARNING
             log.log(level, "fxoverlap cudagraph: not captured: %s", s.not_capturable_reason)
     if mode is None:
-        largest = largest_copy_in(stages)
+        largest = largest_copy_in(stages, static)
         if largest is not None and largest[0] > AUTO_MAX_COPY_BYTES:
             for s in stages:
                 s.graphed = False
@@ -67,10 +69,11 @@ def cudagraph(stages: list[Stage], mode: bool | None = True) -> None:
     log.info("fxoverlap cudagraph: %d of %d stages graphed", sum(s.graphed for s in stages), len(stages))
 
 
-def largest_copy_in(stages: list[Stage]) -> tuple[int, str, str] | None:
+def largest_copy_in(stages: list[Stage], static: Collection[str] = ()) -> tuple[int, str, str] | None:
     """``(bytes, stage, value)`` of the largest value a graphed stage reads from an
-    ungraphed stage's outputs (what the runtime copies into the graph per replay)."""
-    eager_out = {v for s in stages if not s.graphed for v in s.outputs}
+    ungraphed stage's outputs (what the runtime copies into the graph per replay); views
+    of the ``static`` placeholders (parameters, buffers) are read in place, not copied."""
+    eager_out = {v for s in stages if not s.graphed for v in s.outputs} - static_views(stages, static)
     best = None
     for s in stages:
         if not s.graphed:
@@ -82,6 +85,22 @@ def largest_copy_in(stages: list[Stage]) -> tuple[int, str, str] | None:
                 if size is not None and (best is None or size > best[0]):
                     best = (size, s.name, node.target)
     return best
+
+
+def static_views(stages: list[Stage], static: Collection[str]) -> set[str]:
+    """Stage outputs that are views of the ``static`` placeholders (``w.t()`` saved for the
+    backward), through any number of stages; ``stages`` in program order."""
+    over = set(static)
+    for s in stages:
+        g = s.graph_module.graph
+        viewing = set(n for n in g.find_nodes(op="placeholder") if n.target in over)
+        for n in g.nodes:
+            if (isinstance(n.target, torch._ops.OpOverload) and n.target.is_view and n.args
+                    and n.args[0] in viewing):
+                viewing.add(n)
+        (out,) = g.find_nodes(op="output")
+        over.update(name for name, v in zip(s.outputs, out.args[0]) if v in viewing)
+    return over - set(static)
 
 
 def _nbytes(t: torch.Tensor) -> int | None:

@@ -174,7 +174,7 @@ def _split(st: PassState) -> None:
 
 
 def _cudagraph(st: PassState) -> None:
-    cudagraph(st.stages, st.config.cuda_graphs)
+    cudagraph(st.stages, st.config.cuda_graphs, st.capture.static_placeholders)
 
 
 def _inductor(st: PassState) -> None:

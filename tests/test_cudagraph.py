@@ -626,6 +626,38 @@ def test_auto_graphs_unless_a_graph_copies_in_a_large_value(monkeypatch, caplog)
     assert not any(s.graphed for s in stages)
 
 
+def test_auto_rule_leaves_views_of_parameters_out_of_the_copies():
+    """The default's bound counts what a graph copies in at every replay: a view of a
+    parameter (transformers' saved ``w.t()``) from an eager stage is read in place, so it
+    does not count, however large."""
+    import hf_cases
+    import fxoverlap.backend as fxb
+    from fxoverlap.kernels.emulated_link import EmulatedGroup
+    from fxoverlap.passes import cudagraph as pass_
+
+    model = fxoverlap.expert_parallel(hf_cases.build("qwen3_moe"), EmulatedGroup(None))
+    ids = torch.randint(0, hf_cases.VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    hf_cases.next_token_loss(torch.compile(model, backend="fxoverlap")(ids), ids).backward()
+    stages, static = fxb.last_stages(), fxb.last_compiled().runner.capture.static_placeholders
+    views = pass_.static_views(stages, static)
+    read = {v for s in stages for v in s.inputs}
+    sizes = {p.numel() for p in model.parameters()}
+    assert views and all(v in read for v in views)
+    counted = 0
+    for producer in [s for s in stages if views & set(s.outputs)]:
+        for s in stages:  # only the producer eager: its outputs are what graphs copy in
+            s.graphed = s is not producer
+        counted += pass_.largest_copy_in(stages)[2] in views
+        left = pass_.largest_copy_in(stages, static)
+        assert left is None or left[2] not in views
+    assert counted  # without the parameters' names, a view was the largest copy somewhere
+    assert all(ph.meta["val"].numel() in sizes  # each a whole parameter, re-viewed
+               for s in stages for ph in s.graph_module.graph.find_nodes(op="placeholder") if ph.target in views)
+    fxb.reset()
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("segment_bytes", [None, 0], ids=["default", "segment_per_hand_out"])
 def test_backend_replays_graphs_and_never_overwrites_a_pending_backward(fake_cuda, monkeypatch, segment_bytes):
     """``torch.compile(model, backend="fxoverlap", mode="reduce-overhead")``: the backend's
