@@ -267,8 +267,9 @@ class _Graph:
             elif kind == _STATIC:
                 if a.data_ptr() != s.data_ptr() or a.shape != s.shape or a.stride() != s.stride():
                     raise GraphReplayError(self._bad(
-                        i, a, s, "(a parameter or buffer, or a view of one) moved or changed shape since capture; call "
-                                 "engine.close() to drop the captured graphs so they are captured anew"))
+                        i, a, s, "(a parameter or buffer, or a view of one) moved or changed shape since capture; "
+                                 "drop the captured graphs so they are captured anew: engine.close() (optimize) or "
+                                 "fxoverlap.backend.reset() (the torch.compile backend)"))
             elif a != s:
                 raise GraphReplayError(self._bad(i, a, s, "is a non-tensor value that changed since capture"))
 
