@@ -258,7 +258,7 @@ class _Graph:
                     raise GraphReplayError(self._bad(i, a, s, "has a different shape or dtype than at capture"))
                 if a.data_ptr() == s.data_ptr() and a.stride() == s.stride():
                     continue  # the static buffer itself, as another view
-                with copy_label(STATIC_INPUT):
+                with copy_label(STATIC_INPUT, self.stage.name, self.stage.inputs[i]):
                     s.copy_(a)
             elif kind == _SHARED:
                 if a is not s and not _same_memory(a, s):
@@ -409,7 +409,7 @@ class StageGraphs:
             if held[2] > _UNHELD[2]:
                 viewed.append(loan.name)
             t = loan.tensor
-            with torch.no_grad(), copy_label(GRAPH_GRADIENT):
+            with torch.no_grad(), copy_label(GRAPH_GRADIENT, loan.name):
                 t.set_(t.clone())  # (a view keeps the old storage: only the tensor itself moves)
             log.debug("fxoverlap cudagraph: %s was held past its use; moved off graph memory", loan.name)
         if viewed:
@@ -483,7 +483,7 @@ class StageGraphs:
             self.cuda.synchronize(self.device)
             return self._fallback(stage, f"capture failed: {type(e).__name__}: {e}")
         for i, b in zip(copied, bufs):
-            with copy_label(STATIC_INPUT):
+            with copy_label(STATIC_INPUT, stage.name, stage.inputs[i]):
                 b.copy_(args[i])
             static_args[i] = self.cuda.alias(b)
         for i, kind in enumerate(kinds):

@@ -771,7 +771,7 @@ class ProgramRunner:
         for v in values:
             t = state.stores[mb][v].detach()
             if (mb, v) in state.graph_owned:
-                with copy_label(GRAPH_OUTPUT):
+                with copy_label(GRAPH_OUTPUT, v):
                     t = t.clone()
             state.outputs[mb][v] = t
 

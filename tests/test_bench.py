@@ -558,7 +558,7 @@ def test_hf_timeline_charges_device_copies_to_what_issued_them():
     evs = [ev(cpu_t, "fxoverlap/runtime.py(762): output", 0, 1_000),
            ev(cpu_t, "aten::clone", 100, 200), ev(cpu_t, "cudaMemcpyAsync", 150, 160, corr=7),
            ev(cpu_t, "fxoverlap/cudagraphs.py(218): load", 2_000, 3_000),
-           ev(cpu_t, "fxoverlap.copy static-input", 2_050, 2_250),  # copy_labels' range
+           ev(cpu_t, "fxoverlap.copy static-input fwd_l0_post.combine", 2_050, 2_250),  # copy_labels' range
            ev(cpu_t, "aten::copy_", 2_100, 2_200), ev(cpu_t, "cudaMemcpyAsync", 2_150, 2_160, corr=8),
            ev(cpu_t, "aten::mm", 5_000, 5_100), ev(cpu_t, "cudaLaunchKernel", 5_050, 5_060, corr=9),
            ev(cuda_t, "Memcpy DtoD (Device -> Device)", 10_000, 30_000, corr=7),
@@ -569,4 +569,5 @@ def test_hf_timeline_charges_device_copies_to_what_issued_them():
     assert copies == {"aten::clone | fxoverlap/runtime.py(762): output": (1, 0.02),
                       "aten::copy_ [static-input] | fxoverlap/cudagraphs.py(218): load": (1, 0.004)}
     assert out["copies_total_ms"] == 0.024
+    assert out["copies_by_value"] == [["static-input fwd_l0_post.combine", 1, 0.004]]  # the clone names nothing
     assert out["gaps"] == [["aten::mm | ", 1, 0.065]]  # 35 us -> 100 us idle before the gemm

@@ -426,7 +426,8 @@ def test_profiler_charges_each_copy_fxoverlap_makes_to_its_reason(fake_cuda):
     ``copy_labels`` range naming why (what ``bench hf-timeline --deep`` charges copies to): the
     loads into static inputs, the graph-memory gradients copied into an empty ``p.grad``, the
     graph-owned outputs (the losses), and the one-rank exchange's copies; real kineto events,
-    read as the timeline reads them. Without a profiler the label is no range at all."""
+    read as the timeline reads them; the loads and outputs also name the value they copy. Without a
+    profiler the label is no range at all."""
     from torch.profiler import ProfilerActivity, profile
 
     from fxoverlap.bench.hf_timeline import enclosing, key_of
@@ -453,6 +454,13 @@ def test_profiler_charges_each_copy_fxoverlap_makes_to_its_reason(fake_cuda):
                  copy_labels.ONE_RANK_EXCHANGE):
         assert f"aten::copy_ [{kind}]" in reasons, (kind, sorted(reasons))
     assert {r for r in reasons if "[" in r} <= {f"aten::copy_ [{k}]" for k in copy_labels.KINDS}
+    # the graphs' loads name the stage input they fill, the outputs the value they hand out
+    named = {p for labels in keys.values() for l in labels if (p := copy_labels.parse(l)) is not None and p[1]}
+    stage_inputs = {f"{s.name}.{v}" for s in engine.stages for v in s.inputs}
+    loads = {v for k, v in named if k == copy_labels.STATIC_INPUT}
+    assert loads and loads <= stage_inputs, sorted(loads - stage_inputs)
+    outs = {v for k, v in named if k == copy_labels.GRAPH_OUTPUT}
+    assert outs and outs <= {v for s in engine.stages for v in s.outputs}
     assert isinstance(copy_labels.copy_label(copy_labels.STATIC_INPUT), contextlib.nullcontext)
     engine.close()
 

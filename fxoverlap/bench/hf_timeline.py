@@ -11,7 +11,9 @@ device thread, which it does not see) in ``OUT/cprofile_<tag>.txt``, and the GPU
 host syncs charged to the CPU op that launched the next kernel, and each device copy's GPU time
 charged to the op that issued it and, for the copies fxoverlap makes, to their reason
 (``copies``: ``aten::copy_ [static-input]``, ``[graph-output]``, ...: ``fxoverlap.kernels.copy_labels``,
-profiler ranges: on the GPU the Python frames did not attach to the copies). Issue 37's breakdown
+profiler ranges: on the GPU the Python frames did not attach to the copies), and again by the value
+copied where the label names it (``copies_by_value``: ``static-input fwd_l0_post.combine``, a stage's
+input; ``graph-output <value>``; ``graph-gradient <parameter>``). Issue 37's breakdown
 (docs/benchmarks.md, 2026-12-04 tenth session) was measured with it.
 """
 import argparse
@@ -107,7 +109,7 @@ def key_of(labels):
     """``op [reason] | frames``: the innermost op, the innermost :mod:`copy_labels` reason (a
     copy fxoverlap makes says why) and up to four Python frames, innermost first."""
     ops = [l for l in labels if "::" in l and "): " not in l]
-    reasons = [l[len(copy_labels.PREFIX):] for l in labels if l.startswith(copy_labels.PREFIX)]
+    reasons = [p[0] for l in labels if (p := copy_labels.parse(l)) is not None]
     py = [l for l in labels if "(" in l and "): " in l and not any(k in l for k in KEEP_OUT)]
     op = (ops[-1] if ops else "-") + (f" [{reasons[-1]}]" if reasons else "")
     return op + " | " + " < ".join(reversed(py[-4:]))
@@ -160,6 +162,16 @@ def attribute_events(evs) -> dict:
     for th, qs in queries.items():
         where.update(enclosing(by_thread.get(th, []), qs))
     out = {}
+    # the copies again, by what they copied where the label names it (``static-input fwd_l0_post.combine``)
+    by_value: dict[str, list] = {}
+    for qid, ms in copies.items():
+        named = [p for l in where.get(qid, []) if (p := copy_labels.parse(l)) is not None and p[1]]
+        if named:
+            r = by_value.setdefault(" ".join(named[-1]), [0, 0.0])
+            r[0] += 1
+            r[1] += ms
+    out["copies_by_value"] = [[k, c, round(t, 3)]
+                              for k, (c, t) in sorted(by_value.items(), key=lambda kv: -kv[1][1])[:40]]
     for name, table in (("gaps", gaps), ("syncs", syncs), ("copies", copies)):
         agg = {}
         for qid, ms in table.items():
