@@ -39,8 +39,11 @@ comm stage's output), so they cost nothing; they make the rule independent of th
 Static inputs
 -------------
 Parameters and buffers, and any value over their memory (a weight's transpose that the
-forward saves for the backward), are passed to the graph as they are (stable addresses; a
-moved parameter is an error, not a silent stale read). A value that is the output of
+forward saves for the backward), are read by the graph where they were at capture. At each
+run's start (:meth:`StageGraphs.use_statics`) their addresses are compared with those: where
+one moved (``p.data = ...``, ``model.cpu()`` and back, a checkpoint loaded with
+``assign=True``) the graphs are dropped and captured anew in that run; a value that moved
+between a run's start and a replay raises :class:`GraphReplayError` (never a stale read). A value that is the output of
 another graph of the same copy (the attn stage's output read by the backward attn
 stage of the same microbatch) is read in place: no buffer, no copy; at replay the
 incoming tensor must be that memory. Everything else (outputs of eager comm stages,
@@ -236,6 +239,10 @@ class CudaBackend:
         torch.cuda.empty_cache()
 
 
+def _address(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride()
+
+
 def _same_memory(a, s) -> bool:
     return (isinstance(a, torch.Tensor) and a.data_ptr() == s.data_ptr() and a.shape == s.shape
             and a.stride() == s.stride() and a.dtype == s.dtype)
@@ -247,6 +254,8 @@ class _Graph:
     def __init__(self, stage: Stage, copy: int, graph, static_args: list, kinds: list[str], outs: tuple, stream):
         self.stage, self.copy, self.graph = stage, copy, graph
         self.static_args, self.kinds, self.outs, self.stream = static_args, kinds, outs, stream
+        # where the graph reads each parameter, buffer or view of one
+        self.addresses = {i: _address(a) for i, (kind, a) in enumerate(zip(kinds, static_args)) if kind == _STATIC}
 
     def load(self, args: Sequence) -> None:
         """Bring the incoming values into the graph's static inputs (on the current stream)."""
@@ -265,7 +274,9 @@ class _Graph:
                     raise InternalError(self._bad(
                         i, a, s, "was the static output of another graph at capture but is not that memory now"))
             elif kind == _STATIC:
-                if a.data_ptr() != s.data_ptr() or a.shape != s.shape or a.stride() != s.stride():
+                # against the address the graph was captured with (``s`` may be the very tensor,
+                # whose storage ``p.data = ...`` replaced since)
+                if (a.data_ptr(), a.shape, a.stride()) != self.addresses[i]:
                     raise GraphReplayError(self._bad(
                         i, a, s, "(a parameter or buffer, or a view of one) moved or changed shape since capture; "
                                  "drop the captured graphs so they are captured anew: engine.close() (optimize) or "
@@ -287,10 +298,11 @@ class StageGraphs:
         self.device = device
         self.cuda = backend or CudaBackend()
         self.static_names = frozenset(static_names)
-        # the current run's parameters and buffers by placeholder (the runner sets it at each
-        # run's start): a capture reads them, and any view of them (``w.t()`` saved for the
-        # backward), in place
+        # the current run's parameters and buffers by placeholder (:meth:`use_statics`): a capture
+        # reads them, and any view of them (``w.t()`` saved for the backward), in place
         self.statics: dict = {}
+        self._captured_at: dict[str, int] | None = None  # their addresses when the graphs were captured
+        self.recaptures = 0  # times the parameters moved and the graphs were captured anew
         self.copies = in_flight_depth(program)
         self._graphs: dict[tuple[str, int], _Graph] = {}
         self.eager: dict[str, str] = {}  # stage name -> why it runs eagerly after all (capture-time)
@@ -384,6 +396,26 @@ class StageGraphs:
             pending = self._pending.setdefault(hit[0], [])
             if not pending or pending[-1] is not ev:
                 pending.append(ev)
+
+    def use_statics(self, static: dict) -> None:
+        """The run's parameters and buffers, by placeholder; the runner calls this at each run's
+        start, when no graph memory of this program is in use but lent gradients (which
+        :meth:`close` moves). Where one has another address than when the graphs were captured
+        (``p.data = ...``, ``model.cpu()`` and back, a checkpoint loaded with ``assign=True``), the
+        graphs would read the old memory: they are dropped, and this run captures them anew."""
+        self.statics = static
+        now = {k: v.data_ptr() for k, v in static.items() if isinstance(v, torch.Tensor)}
+        if not self._graphs or self._captured_at is None:
+            self._captured_at = now
+            return
+        if now == self._captured_at:
+            return
+        moved = sorted(k for k in now if now[k] != self._captured_at.get(k))
+        log.info("fxoverlap cudagraph: %s moved since the graphs were captured; capturing them anew",
+                 ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else ""))
+        self.close()
+        self.recaptures += 1
+        self._captured_at = now
 
     def lend(self, t: torch.Tensor, name: str) -> torch.Tensor:
         """``t`` (graph memory: a gradient the runner hands to its caller) without a copy: a
@@ -489,6 +521,8 @@ class StageGraphs:
         for i, kind in enumerate(kinds):
             if kind == _SHARED:
                 static_args[i] = self._outs[static_args[i]][1]
+            elif kind == _STATIC:  # the memory the graph reads, not the tensor (whose storage may be replaced)
+                static_args[i] = self.cuda.alias(static_args[i])
         graph.replay()  # on the stage's stream: this call's outputs
         # The graph keeps only aliases; this call returns the tensors the capture made,
         # so their memory (and the input buffers', dropped here) goes back to the copy's
@@ -515,6 +549,7 @@ class StageGraphs:
         return {
             "graphs": len(self._graphs),
             "loans_copied": self.loans_copied,
+            "recaptures": self.recaptures,
             "stages_graphed": len({k[0] for k in self._graphs}),
             "copies": self.copies,
             "shared_pool": {str(c): v for c, v in self.shared_pool.items()},

@@ -516,7 +516,7 @@ class ProgramRunner:
             stores.append(store)
         state = RunState(stores, [{} for _ in microbatches], grads=grads if grads is not None else self.grads)
         if self.cuda_graphs is not None:
-            self.cuda_graphs.statics = static  # what a capture may read in place (views of these too)
+            self.cuda_graphs.use_statics(static)  # read in place by the graphs (which follow them if they moved)
         if self.sharding is not None:
             self.sharding.begin(params)
         if self.reducer is not None:
