@@ -43,9 +43,9 @@ forward saves for the backward), are read by the graph where they were at captur
 run's start (:meth:`StageGraphs.use_statics`) their addresses are compared with those: where
 one moved (``p.data = ...``, ``model.cpu()`` and back, a checkpoint loaded with
 ``assign=True``) the graphs are dropped and captured anew in that run; a value that moved
-between a run's start and a replay raises :class:`GraphReplayError` (never a stale read). A value that is the output of
-another graph of the same copy (the attn stage's output read by the backward attn
-stage of the same microbatch) is read in place: no buffer, no copy; at replay the
+between a run's start and a replay raises :class:`GraphReplayError` (never a stale read).
+A value that is the output of another graph of the same copy (the attn stage's output read
+by the backward attn stage of the same microbatch) is read in place: no buffer, no copy; at replay the
 incoming tensor must be that memory. Everything else (outputs of eager comm stages,
 the microbatch inputs, the loss tangent) is copied into a static input buffer before
 each replay, on the stage's stream. The buffers are allocated inside the capture
