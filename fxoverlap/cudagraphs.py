@@ -413,6 +413,7 @@ class StageGraphs:
         moved = sorted(k for k in now if now[k] != self._captured_at.get(k))
         log.info("fxoverlap cudagraph: %s moved since the graphs were captured; capturing them anew",
                  ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else ""))
+        self.reclaim()  # as the run would: a held view of a lent gradient raises before its memory goes
         self.close()
         self.recaptures += 1
         self._captured_at = now
