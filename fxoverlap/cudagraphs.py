@@ -276,7 +276,7 @@ class _Graph:
             elif kind == _STATIC:
                 # against the address the graph was captured with (``s`` may be the very tensor,
                 # whose storage ``p.data = ...`` replaced since)
-                if (a.data_ptr(), a.shape, a.stride()) != self.addresses[i]:
+                if _address(a) != self.addresses[i]:
                     raise GraphReplayError(self._bad(
                         i, a, s, "(a parameter or buffer, or a view of one) moved or changed shape since capture; "
                                  "drop the captured graphs so they are captured anew: engine.close() (optimize) or "
